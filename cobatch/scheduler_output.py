@@ -1,0 +1,82 @@
+"""The data contract between scheduler and runner: what to compute this step, and what came back.
+
+Pure dataclasses (no torch), so the scheduling core and the runner both import them and nothing else
+of each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cobatch.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRow:
+    """One row of the step's ragged batch: `num_new_tokens` tokens of one request.
+
+    A decode row has one new token; a prefill (or prefill chunk, or recompute) row has many.
+
+        token_ids:  [ computed (KV cached) | new this step | not yet (next chunks) ]
+                    0                      ^ num_computed_tokens
+                                                           ^ num_computed_tokens + num_new_tokens
+    """
+
+    request_id: str
+    # All tokens of the request so far (prompt + output). Shared with the request, read-only:
+    # passing the list by reference keeps building a step O(rows), not O(tokens).
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_table: list[int]  # physical KV block ids; covers num_computed_tokens + num_new_tokens
+    sampling_params: SamplingParams
+    # True when this row reaches the end of the known tokens, so the runner samples one token.
+    # False for a non-final prefill chunk and for static-batching padding rows.
+    needs_sample: bool
+    # A finished request whose row is kept only as padding (static batching): computed, output dropped.
+    is_padding: bool = False
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far: the step index of a seeded sampler."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """Everything the runner does in one step: block copies first, then one forward over `rows`."""
+
+    rows: tuple[ScheduledRow, ...]
+    # (device block, host block) pairs, copied before this step's forward (their device blocks may be
+    # reused by rows of this very step).
+    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()
+    # (host block, device block) pairs, copied in before this step's forward.
+    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
+    num_preempted: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(row.num_new_tokens for row in self.rows)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probability of a sampled token and the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    """What one step produced, aligned with the rows whose `needs_sample` is True, in row order."""
+
+    sampled_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs | None, ...]  # None where the request did not ask for logprobs
