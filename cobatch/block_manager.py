@@ -1,0 +1,206 @@
+"""Paged KV-cache accounting: free list, reference counts, block tables, prefix cache, swap pool.
+
+No tensors here: the block manager hands out block ids; the runner's KV tensors are indexed by them.
+
+A device block is in exactly one of two places:
+    in use   ref_count > 0, listed in one or more live block tables (shared by the prefix cache)
+    free     ref_count == 0, in `free_blocks` (LRU order). A free block may still hold a cached
+             prefix (its hash is kept) and is revived by a cache hit, or evicted when reused.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from cobatch.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block, chained with its prefix so equal blocks at different places differ."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    """Allocates fixed-size KV blocks to requests; shares full prompt blocks by hash."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
+                 enable_prefix_caching: bool = True, watermark: float = 0.01) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_swap_blocks = num_swap_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.ref_counts = [0] * num_blocks
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_tables: dict[str, list[int]] = {}
+        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self.block_hash_of: dict[int, int] = {}  # block id -> block hash
+        self.free_swap_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))
+        self.swap_tables: dict[str, list[int]] = {}
+        self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_cache_hits = 0  # of which found
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_cache_hits / self.num_cache_queries if self.num_cache_queries else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.block_tables.setdefault(request_id, [])
+
+    # ---- prefix cache ------------------------------------------------------------------------
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend request.block_hashes over its newly full blocks (cheap: only new blocks)."""
+        hashes, tokens, size = request.block_hashes, request.token_ids, self.block_size
+        while (len(hashes) + 1) * size <= len(tokens):
+            start = len(hashes) * size
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(tokens[start:start + size])))
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks already holding this request's leading full blocks (at least one token left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        self.update_block_hashes(request)
+        # The last token is always computed, so the step yields logits to sample from.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.cached_blocks.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_cache_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_cache_queries += num_query_tokens
+        self.num_cache_hits += num_hit_tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's computed full blocks so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_block_hashes(request)
+        table = self.block_tables.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        for i in range(num_full):
+            block, block_hash = table[i], request.block_hashes[i]
+            if block in self.block_hash_of or block_hash in self.cached_blocks:
+                continue
+            self.cached_blocks[block_hash] = block
+            self.block_hash_of[block] = block_hash
+
+    # ---- allocation --------------------------------------------------------------------------
+
+    def can_allocate(self, num_blocks: int, use_watermark: bool) -> bool:
+        reserve = self.watermark_blocks if use_watermark else 0
+        return num_blocks <= self.num_free_blocks - reserve
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_prefix: list[int] = (), use_watermark: bool = False) -> bool:
+        """Give the request blocks for num_computed_tokens + num_new_tokens; False if they don't fit.
+
+        `cached_prefix` (for a request without blocks) are prefix-cache hits taken over first.
+        """
+        table = self.block_table(request.request_id)
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        num_revived = sum(1 for b in cached_prefix if self.ref_counts[b] == 0)
+        num_needed = self.blocks_needed(num_tokens) - len(table) - len(cached_prefix)
+        if not self.can_allocate(max(num_needed, 0) + num_revived, use_watermark):
+            if not table:
+                del self.block_tables[request.request_id]
+            return False
+        for block in cached_prefix:
+            self._take(block)
+            table.append(block)
+        for _ in range(num_needed):
+            table.append(self._pop_free_block())
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's device blocks (cached ones stay revivable until evicted)."""
+        table = self.block_tables.pop(request.request_id, [])
+        # Free the tail first so that eviction (from the front) takes the deepest prefix blocks last.
+        for block in reversed(table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
+
+    def _pop_free_block(self) -> int:
+        """The least recently freed block; its cached prefix (if any) is evicted."""
+        block, _ = self.free_blocks.popitem(last=False)
+        block_hash = self.block_hash_of.pop(block, None)
+        if block_hash is not None:
+            del self.cached_blocks[block_hash]
+        self.ref_counts[block] = 1
+        return block
+
+    # ---- swap ----------------------------------------------------------------------------------
+
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self.block_tables.get(request.request_id, [])) <= len(self.free_swap_blocks)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to the host pool: (device block, host block) copies to do."""
+        table = self.block_tables[request.request_id]
+        host = [self.free_swap_blocks.pop() for _ in table]
+        mapping = list(zip(table, host))
+        self.free(request)
+        self.swap_tables[request.request_id] = host
+        return mapping
+
+    def can_swap_in(self, request: Request) -> bool:
+        return self.can_allocate(len(self.swap_tables[request.request_id]), use_watermark=True)
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring the request's blocks back: (host block, device block) copies to do."""
+        host = self.swap_tables.pop(request.request_id)
+        table = self.block_table(request.request_id)
+        assert not table, "a swapped request holds no device blocks"
+        for _ in host:
+            table.append(self._pop_free_block())
+        self.free_swap_blocks.extend(reversed(host))
+        return list(zip(host, table))
+
+    def free_swap(self, request: Request) -> None:
+        self.free_swap_blocks.extend(reversed(self.swap_tables.pop(request.request_id, [])))
+
+    # ---- invariants --------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Blocks conserved; ref counts equal table membership; the free list is exactly ref 0."""
+        counts = [0] * self.num_blocks
+        for table in self.block_tables.values():
+            for block in table:
+                counts[block] += 1
+        assert counts == self.ref_counts, "ref counts disagree with block tables"
+        free = {b for b, c in enumerate(counts) if c == 0}
+        assert free == set(self.free_blocks), "free list disagrees with ref counts"
+        for block_hash, block in self.cached_blocks.items():
+            assert self.block_hash_of[block] == block_hash
+        host_used = [b for t in self.swap_tables.values() for b in t]
+        assert len(host_used) == len(set(host_used)), "a host block is in two swap tables"
+        assert len(host_used) + len(self.free_swap_blocks) == self.num_swap_blocks, "host blocks leaked"

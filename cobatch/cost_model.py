@@ -1,0 +1,98 @@
+"""Step-time model T(rows, tokens, context) fitted by least squares, offline or online.
+
+    T_step ≈ c0                      weight read, independent of the batch
+           + c1 · num_rows           per-sequence overhead (sampling, metadata, attention launch)
+           + c2 · num_batched_tokens per-token compute in the linear layers
+           + c3 · num_context_tokens KV read by attention
+
+Pure Python (no numpy/torch): a 4x4 normal-equation solve is microseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NUM_FEATURES = 4
+
+
+def features(num_rows: int, num_tokens: int, num_context_tokens: int) -> tuple[float, ...]:
+    return (1.0, float(num_rows), float(num_tokens), float(num_context_tokens))
+
+
+def solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting; a tiny ridge keeps it defined when rank-deficient."""
+    n = len(rhs)
+    a = [row[:] + [rhs[i]] for i, row in enumerate(matrix)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if abs(a[col][col]) < 1e-30:
+            continue
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+    return [a[i][n] / a[i][i] if abs(a[i][i]) >= 1e-30 else 0.0 for i in range(n)]
+
+
+@dataclass(slots=True)
+class StepTimeModel:
+    """Least-squares fit of step seconds; `decay` < 1 forgets old steps (online use)."""
+
+    decay: float = 0.995
+    ridge: float = 1e-9
+    min_samples: int = 8
+    num_samples: int = 0
+    coefficients: tuple[float, ...] = (0.0,) * NUM_FEATURES
+    _xtx: list[list[float]] | None = None
+    _xty: list[float] | None = None
+    _dirty: bool = False
+
+    def observe(self, num_rows: int, num_tokens: int, num_context_tokens: int,
+                duration_s: float) -> None:
+        """Add one measured step."""
+        if self._xtx is None or self._xty is None:
+            self._xtx = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
+            self._xty = [0.0] * NUM_FEATURES
+        x = features(num_rows, num_tokens, num_context_tokens)
+        for i in range(NUM_FEATURES):
+            self._xty[i] = self.decay * self._xty[i] + x[i] * duration_s
+            row = self._xtx[i]
+            for j in range(NUM_FEATURES):
+                row[j] = self.decay * row[j] + x[i] * x[j]
+        self.num_samples += 1
+        self._dirty = True
+
+    def fit(self) -> tuple[float, ...]:
+        """Solve the normal equations; coefficients are clamped non-negative (time never shrinks)."""
+        if self._xtx is None or self._xty is None:
+            return self.coefficients
+        scale = max(self._xtx[i][i] for i in range(NUM_FEATURES)) or 1.0
+        matrix = [[v + (self.ridge * scale if i == j else 0.0) for j, v in enumerate(row)]
+                  for i, row in enumerate(self._xtx)]
+        self.coefficients = tuple(max(c, 0.0) for c in solve(matrix, self._xty))
+        self._dirty = False
+        return self.coefficients
+
+    @property
+    def is_ready(self) -> bool:
+        return self.num_samples >= self.min_samples
+
+    def predict(self, num_rows: int, num_tokens: int, num_context_tokens: int) -> float:
+        """Predicted seconds of a step (0 until enough steps have been seen)."""
+        if not self.is_ready:
+            return 0.0
+        if self._dirty:
+            self.fit()
+        x = features(num_rows, num_tokens, num_context_tokens)
+        return sum(c * v for c, v in zip(self.coefficients, x))
+
+
+def r_squared(model: StepTimeModel, samples: list[tuple[int, int, int, float]]) -> float:
+    """Coefficient of determination of `model` on (rows, tokens, context, seconds) samples."""
+    if not samples:
+        return 0.0
+    mean = sum(s[3] for s in samples) / len(samples)
+    ss_tot = sum((s[3] - mean) ** 2 for s in samples)
+    ss_res = sum((s[3] - model.predict(*s[:3])) ** 2 for s in samples)
+    return 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0

@@ -1,0 +1,191 @@
+"""The engine: one step = schedule -> runner.execute -> scheduler.update, with step telemetry."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from cobatch.config import EngineConfig, SchedulerConfig
+from cobatch.cost_model import StepTimeModel
+from cobatch.request import Request, RequestDelta
+from cobatch.sampling_params import SamplingParams
+from cobatch.scheduler import Scheduler
+from cobatch.scheduler_output import RunnerOutput, SchedulerOutput
+
+
+class Runner(Protocol):
+    """What the engine needs of a model runner (the real one, or a fake in tests)."""
+
+    num_kv_blocks: int
+    num_swap_blocks: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+    def execute(self, output: SchedulerOutput) -> RunnerOutput: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """One step's telemetry: cheap enough to keep for every step."""
+
+    step: int
+    start_time: float  # time.monotonic()
+    duration_s: float
+    schedule_s: float
+    execute_s: float
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_rows: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_padding_rows: int
+    num_context_tokens: int
+    num_kv_blocks_used: int
+    kv_usage: float
+    num_preempted: int
+    num_generated_tokens: int  # useful tokens appended this step
+    predicted_s: float  # the step-time model's prediction before the step (0 until fitted)
+    row_request_ids: tuple[str, ...]  # who occupies each row: the "metro" timeline
+
+
+class Engine:
+    """Owns the scheduler and the runner; single-threaded by design (see AsyncEngine)."""
+
+    def __init__(self, runner: Runner, scheduler_config: SchedulerConfig,
+                 stats_history: int | None = 4096) -> None:
+        self.runner = runner
+        self.config = scheduler_config
+        self.step_time_model = StepTimeModel()
+        self.scheduler = Scheduler(scheduler_config, self.step_time_model.predict)
+        self.stats: deque[StepStats] = deque(maxlen=stats_history)
+        self.num_steps = 0
+        self._unfinished: dict[str, set[str]] = {}  # request id -> its unfinished sequence ids
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, stats_history: int | None = 4096) -> Engine:
+        """Load the model, size the KV pools, and build the engine."""
+        from cobatch.runner.model_runner import ModelRunner  # torch only where a model runs
+
+        runner = ModelRunner.load(config)
+        scheduler_config = config.scheduler_config(
+            runner.num_kv_blocks, runner.num_swap_blocks, runner.max_model_len)
+        return cls(runner, scheduler_config, stats_history)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request fits the model; return its resolved max_tokens. ValueError if not."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt must contain at least one token")
+        room = self.max_model_len - num_prompt
+        if room < 1:
+            raise ValueError(f"the prompt has {num_prompt} tokens; this model's maximum context "
+                             f"length is {self.max_model_len}, leaving no room to generate")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                f"asks for {num_prompt + params.max_tokens} ({num_prompt} in the prompt, "
+                f"{params.max_tokens} to generate): lower max_tokens or the prompt")
+        return params.max_tokens if params.max_tokens is not None else room
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> list[str]:
+        """Queue a request (n sequences for n samples); returns the sequence ids."""
+        if request_id in self._unfinished:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = self.validate(prompt_token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        first: Request | None = None
+        ids = []
+        for index in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(seq_id, list(prompt_token_ids), params.for_sample(index),
+                              self.runner.eos_token_ids, max_tokens, priority=priority,
+                              parent_id=request_id, index=index, waits_for=first,
+                              arrival_time=arrival)
+            first = first or request
+            self.scheduler.add_request(request)
+            ids.append(seq_id)
+        self._unfinished[request_id] = set(ids)
+        return ids
+
+    def abort_request(self, request_id: str) -> list[RequestDelta]:
+        """Abort all sequences of a request, wherever they are; their blocks are free at once."""
+        deltas = []
+        for seq_id in sorted(self._unfinished.pop(request_id, ())):
+            delta = self.scheduler.abort_request(seq_id)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- step ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        """Run one iteration over the current batch; returns the deltas it produced."""
+        start = time.monotonic()
+        output = self.scheduler.schedule()
+        scheduled = time.monotonic()
+        predicted_s = self._predict(output)
+        deltas: list[RequestDelta]
+        try:
+            runner_output = self.runner.execute(output)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
+            deltas = self.scheduler.fail_step(output, f"{type(exc).__name__}: {exc}")
+        else:
+            deltas = self.scheduler.update(output, runner_output)
+        end = time.monotonic()
+        self._record(output, deltas, start, scheduled, end, predicted_s)
+        self._forget_finished(deltas)
+        return deltas
+
+    def _predict(self, output: SchedulerOutput) -> float:
+        rows, tokens, context = _shape(output)
+        return self.step_time_model.predict(rows, tokens, context)
+
+    def _forget_finished(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            seq_ids = self._unfinished.get(delta.parent_id)
+            if delta.finished and seq_ids is not None:
+                seq_ids.discard(delta.request_id)
+                if not seq_ids:
+                    del self._unfinished[delta.parent_id]
+
+    def _record(self, output: SchedulerOutput, deltas: list[RequestDelta], start: float,
+                scheduled: float, end: float, predicted_s: float) -> None:
+        rows, tokens, context = _shape(output)
+        if rows:
+            self.step_time_model.observe(rows, tokens, context, end - start)
+        prefill = sum(r.num_new_tokens for r in output.rows
+                      if r.num_computed_tokens < r.num_prompt_tokens and not r.is_padding)
+        padding = sum(1 for r in output.rows if r.is_padding)
+        sched = self.scheduler
+        self.stats.append(StepStats(
+            step=self.num_steps, start_time=start, duration_s=end - start,
+            schedule_s=scheduled - start, execute_s=end - scheduled,
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped), num_rows=rows, num_prefill_tokens=prefill,
+            num_decode_tokens=tokens - prefill - padding, num_context_tokens=context,
+            num_padding_rows=padding,
+            num_kv_blocks_used=sched.block_manager.num_used_blocks,
+            kv_usage=sched.block_manager.usage, num_preempted=output.num_preempted,
+            num_generated_tokens=sum(len(d.new_token_ids) for d in deltas),
+            predicted_s=predicted_s,
+            row_request_ids=tuple(r.request_id for r in output.rows)))
+        self.num_steps += 1
+
+
+def _shape(output: SchedulerOutput) -> tuple[int, int, int]:
+    """(rows, batched tokens, context tokens): the step-time model's inputs."""
+    context = sum(r.num_computed_tokens + r.num_new_tokens for r in output.rows)
+    return len(output.rows), output.num_batched_tokens, context

@@ -1,0 +1,154 @@
+"""A request's state inside the engine, and the deltas it emits."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cobatch.sampling_params import SamplingParams
+from cobatch.scheduler_output import TokenLogprobs
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that `status >= FINISHED_STOPPED` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps (time.monotonic seconds) and counters of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_swaps: int = 0
+    num_recomputed_tokens: int = 0  # tokens computed again after a recompute preemption
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence being generated. `n` parallel samples are `n` Requests sharing `parent_id`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_tokens: int  # resolved: sampling_params.max_tokens clamped to the model length
+    priority: int = 0
+    parent_id: str = ""
+    index: int = 0  # which of the parent's n samples
+    # A sibling whose prompt blocks this request shares: not scheduled before that one's prompt is
+    # computed, so the prefix cache (not a second prefill) serves it.
+    waits_for: Request | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    is_padding: bool = False  # static batching: finished, but its row is kept until the batch ends
+    # Hashes of the full blocks of token_ids, computed incrementally (prefix caching).
+    block_hashes: list[int] = field(default_factory=list)
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        self.token_ids = list(self.prompt_token_ids)
+        self.parent_id = self.parent_id or self.request_id
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prompt_computed(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None, now: float) -> None:
+        """Record one sampled token (called only from Scheduler.update)."""
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status the last appended token causes, if any."""
+        token = self.token_ids[-1]
+        past_min = self.num_output_tokens >= self.sampling_params.min_tokens
+        if past_min and token in self.sampling_params.stop_token_ids:
+            self.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if past_min and not self.sampling_params.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """What one step added to one sequence: new tokens, and the finish if it finished."""
+
+    request_id: str
+    parent_id: str
+    index: int
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[TokenLogprobs, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics | None = None  # a copy, on the finishing delta only
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,346 @@
+"""Iteration-level scheduler: re-forms the batch every step under a token budget and the KV pool.
+
+There are no phases: each request has `num_tokens` and `num_computed_tokens`, and each step hands out
+tokens so that computed catches up with total. Prefill, chunked prefill, decode and resume after a
+recompute preemption are the same code path.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import insort
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from cobatch.block_manager import BlockManager
+from cobatch.config import SchedulerConfig
+from cobatch.request import Request, RequestDelta, RequestStatus
+from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput, TokenLogprobs
+
+# Predicts a step's seconds from (rows, batched tokens, context tokens): the SLO-bounded batch cap.
+StepTimePredictor = Callable[[int, int, int], float]
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """Mutable scratch of one schedule() call."""
+
+    budget: int
+    rows: list[ScheduledRow]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    num_preempted: int = 0
+    num_context_tokens: int = 0
+    scheduled: set[str] = field(default_factory=set)  # request ids with a row this step
+
+
+class Scheduler:
+    """Owns the waiting / running / swapped queues and the block manager."""
+
+    def __init__(self, config: SchedulerConfig,
+                 step_time_predictor: StepTimePredictor | None = None) -> None:
+        self.config = config
+        self.block_manager = BlockManager(
+            config.num_kv_blocks, config.block_size, config.num_swap_blocks,
+            config.enable_prefix_caching, config.watermark)
+        self.step_time_predictor = step_time_predictor
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by _order_key
+        self.running: list[Request] = []  # sorted by _order_key: the tail is preempted first
+        self.swapped: list[Request] = []  # sorted by _order_key
+        self.num_preemptions_total = 0
+        self.num_slo_capped_steps = 0
+        self._num_added = 0
+
+    # ---- queues --------------------------------------------------------------------------------
+
+    def _order_key(self, request: Request) -> tuple[int, float, str]:
+        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        return (priority, request.arrival_time, request.request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (validated by the caller against max_model_len)."""
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        insort(self.waiting, request, key=self._order_key)
+        self._num_added += 1
+
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """Finish a request wherever it is; its blocks are free at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.is_finished:  # a static-batching padding row: just drop it
+            self._release(request)
+            return None
+        return self._finish(request, RequestStatus.FINISHED_ABORTED, time.monotonic())
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(1 for r in self.requests.values() if not r.is_finished)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- schedule ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's rows: running first, then swapped back in, then new admissions."""
+        plan = _StepPlan(self.config.max_num_batched_tokens, [], [], [])
+        if self.config.batching == "static":
+            self._end_static_batch_if_done()
+        self._schedule_running(plan)
+        # A step that had to preempt is short of memory: admitting now would only thrash.
+        if plan.num_preempted == 0:
+            self._schedule_swapped(plan)
+        if plan.num_preempted == 0 and not self.swapped and self._is_admission_open():
+            self._schedule_waiting(plan)
+        return SchedulerOutput(rows=tuple(plan.rows), blocks_to_swap_out=tuple(plan.swap_out),
+                               blocks_to_swap_in=tuple(plan.swap_in),
+                               num_preempted=plan.num_preempted)
+
+    def _is_admission_open(self) -> bool:
+        # Static batching admits a new batch only once the previous one has left entirely.
+        return self.config.batching == "continuous" or not self.running
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        i = 0
+        while i < len(self.running) and plan.budget > 0:
+            request = self.running[i]
+            if request.is_padding:
+                self._add_padding_row(plan, request)
+                i += 1
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            if num_new <= 0:  # admitted without budget earlier in a static batch
+                i += 1
+                continue
+            if self._allocate_or_preempt(plan, request, num_new):
+                self._add_row(plan, request, num_new)
+                i += 1
+            # else: `request` itself was preempted and left `running`; index i now holds the next.
+
+    def _allocate_or_preempt(self, plan: _StepPlan, request: Request, num_new: int) -> bool:
+        """Blocks for `num_new` more tokens, preempting from the tail of `running` until they fit."""
+        while not self.block_manager.allocate_slots(request, num_new):
+            victim = self._pick_victim(plan)
+            self._preempt(plan, victim)
+            if victim is request:
+                return False
+        return True
+
+    def _pick_victim(self, plan: _StepPlan) -> Request:
+        """Lowest priority, then latest arrival, among requests without a row yet this step.
+
+        Padding rows of a static batch hold blocks for nothing useful: they go first.
+        """
+        candidates = [r for r in self.running if r.request_id not in plan.scheduled]
+        padding = [r for r in candidates if r.is_padding]
+        return (padding or candidates)[-1]
+
+    def _preempt(self, plan: _StepPlan, victim: Request) -> None:
+        self.running.remove(victim)
+        if victim.is_padding:
+            self._release(victim)
+            return
+        plan.num_preempted += 1
+        self.num_preemptions_total += 1
+        victim.metrics.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(victim):
+            plan.swap_out.extend(self.block_manager.swap_out(victim))
+            victim.status = RequestStatus.SWAPPED
+            victim.metrics.num_swaps += 1
+            insort(self.swapped, victim, key=self._order_key)
+            return
+        # Recompute: drop the KV; the request resumes from its tokens (prompt + output so far).
+        self.block_manager.free(victim)
+        victim.metrics.num_recomputed_tokens += victim.num_computed_tokens
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        insort(self.waiting, victim, key=self._order_key)
+
+    def _schedule_swapped(self, plan: _StepPlan) -> None:
+        while self.swapped and plan.budget > 0 and self._has_seat():
+            request = self.swapped[0]
+            if not self.block_manager.can_swap_in(request):
+                break
+            self.swapped.pop(0)
+            plan.swap_in.extend(self.block_manager.swap_in(request))
+            request.status = RequestStatus.RUNNING
+            insort(self.running, request, key=self._order_key)
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            if self.block_manager.allocate_slots(request, num_new):
+                self._add_row(plan, request, num_new)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        skipped: list[Request] = []
+        while self.waiting and self._has_seat() and plan.budget > 0:
+            request = self.waiting.pop(0)
+            if request.waits_for is not None and not request.waits_for.is_prompt_computed \
+                    and not request.waits_for.is_finished:
+                skipped.append(request)  # its sibling's prompt blocks will be shared next step
+                continue
+            if not self._admit(plan, request):
+                self.waiting.insert(0, request)
+                break
+        for request in skipped:
+            insort(self.waiting, request, key=self._order_key)
+
+    def _has_seat(self) -> bool:
+        return len(self.running) < self.config.max_num_seqs
+
+    def _admit(self, plan: _StepPlan, request: Request) -> bool:
+        bm = self.block_manager
+        cached = bm.find_cached_prefix(request)
+        num_cached = len(cached) * bm.block_size
+        num_new = request.num_tokens - num_cached
+        if not self.config.enable_chunked_prefill and num_new > plan.budget:
+            return False
+        num_new = min(num_new, plan.budget)
+        if self._would_break_slo(plan, request, num_new):
+            self.num_slo_capped_steps += 1
+            return False
+        request.num_computed_tokens = num_cached
+        if not bm.allocate_slots(request, num_new, cached, use_watermark=True):
+            request.num_computed_tokens = 0
+            return False
+        bm.record_cache_lookup(request.num_tokens - 1, num_cached)
+        request.metrics.num_cached_tokens = max(request.metrics.num_cached_tokens, num_cached)
+        request.status = RequestStatus.RUNNING
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.monotonic()
+        insort(self.running, request, key=self._order_key)
+        self._add_row(plan, request, num_new)
+        return True
+
+    def _would_break_slo(self, plan: _StepPlan, request: Request, num_new: int) -> bool:
+        slo_ms = self.config.tpot_slo_ms
+        if slo_ms is None or self.step_time_predictor is None or not plan.rows:
+            return False  # one row always runs, or nothing would ever make progress
+        num_rows = len(plan.rows) + 1
+        num_tokens = self.config.max_num_batched_tokens - plan.budget + num_new
+        num_context = plan.num_context_tokens + request.num_tokens
+        return self.step_time_predictor(num_rows, num_tokens, num_context) * 1000.0 > slo_ms
+
+    def _add_row(self, plan: _StepPlan, request: Request, num_new: int) -> None:
+        end = request.num_computed_tokens + num_new
+        plan.rows.append(ScheduledRow(
+            request_id=request.request_id, token_ids=request.token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_computed_tokens=request.num_computed_tokens, num_new_tokens=num_new,
+            block_table=self.block_manager.block_tables[request.request_id],
+            sampling_params=request.sampling_params, needs_sample=end == request.num_tokens))
+        plan.budget -= num_new
+        plan.num_context_tokens += end
+        plan.scheduled.add(request.request_id)
+
+    def _add_padding_row(self, plan: _StepPlan, request: Request) -> None:
+        # Recompute the last cached position: the compute a static system spends on a finished row.
+        position = min(request.num_computed_tokens, request.num_tokens - 1) - 1
+        plan.rows.append(ScheduledRow(
+            request_id=request.request_id, token_ids=request.token_ids,
+            num_prompt_tokens=request.num_prompt_tokens, num_computed_tokens=position,
+            num_new_tokens=1, block_table=self.block_manager.block_tables[request.request_id],
+            sampling_params=request.sampling_params, needs_sample=False, is_padding=True))
+        plan.budget -= 1
+        plan.num_context_tokens += position + 1
+        plan.scheduled.add(request.request_id)
+
+    def _end_static_batch_if_done(self) -> None:
+        if self.running and all(r.is_padding for r in self.running):
+            for request in list(self.running):
+                self._release(request)
+
+    # ---- update ----------------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestDelta]:
+        """Advance computed tokens, append sampled tokens, finish requests: the only place for that."""
+        now = time.monotonic()
+        deltas: list[RequestDelta] = []
+        samples = iter(zip(runner_output.sampled_token_ids, runner_output.logprobs, strict=True))
+        for row in output.rows:
+            sample = next(samples) if row.needs_sample else None
+            request = self.requests.get(row.request_id)
+            if request is None or row.is_padding or request.status != RequestStatus.RUNNING:
+                continue  # aborted since scheduling, or a padding row
+            request.num_computed_tokens += row.num_new_tokens
+            if sample is None:
+                self.block_manager.cache_full_blocks(request)
+                continue
+            deltas.append(self._append_sample(request, sample[0], sample[1], now))
+        return deltas
+
+    def _append_sample(self, request: Request, token_id: int, logprobs: TokenLogprobs | None,
+                       now: float) -> RequestDelta:
+        request.append_token(token_id, logprobs, now)
+        self.block_manager.cache_full_blocks(request)
+        status = request.check_stop(self.config.max_model_len)
+        if status is not None:
+            return self._finish(request, status, now, new_token_ids=(token_id,))
+        return RequestDelta(
+            request_id=request.request_id, parent_id=request.parent_id, index=request.index,
+            new_token_ids=(token_id,), new_logprobs=(logprobs,) if logprobs else (),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens)
+
+    def fail_step(self, output: SchedulerOutput, error: str) -> list[RequestDelta]:
+        """The runner raised: finish this step's requests with an error; the rest go on."""
+        now = time.monotonic()
+        deltas = []
+        for row in output.rows:
+            request = self.requests.get(row.request_id)
+            if request is not None and not request.is_finished:
+                deltas.append(self._finish(request, RequestStatus.FINISHED_ERROR, now, error=error))
+        return deltas
+
+    # ---- finish --------------------------------------------------------------------------------
+
+    def _finish(self, request: Request, status: RequestStatus, now: float,
+                new_token_ids: tuple[int, ...] = (), error: str | None = None) -> RequestDelta:
+        was_running = request.status == RequestStatus.RUNNING
+        request.status = status
+        request.metrics.finished_time = now
+        keep_row = (self.config.batching == "static" and was_running
+                    and status != RequestStatus.FINISHED_ABORTED and status != RequestStatus.FINISHED_ERROR)
+        if keep_row:
+            request.is_padding = True  # keeps its row and blocks until the batch's longest ends
+        else:
+            self._release(request)
+        last_logprobs = request.output_logprobs[-1:] if new_token_ids and request.output_logprobs else []
+        return RequestDelta(
+            request_id=request.request_id, parent_id=request.parent_id, index=request.index,
+            new_token_ids=new_token_ids, new_logprobs=tuple(last_logprobs),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens, finish_reason=status.finish_reason,
+            stop_reason=request.stop_reason, metrics=replace(request.metrics), error=error)
+
+    def _release(self, request: Request) -> None:
+        """Remove a request from every queue and give back its blocks."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+                break
+        self.block_manager.free(request)
+        self.block_manager.free_swap(request)
+        self.requests.pop(request.request_id, None)
+
+    # ---- invariants ----------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Cheap structural checks, run by tests after every step."""
+        bm = self.block_manager
+        bm.check_invariants()
+        queued = self.waiting + self.running + self.swapped
+        assert len(queued) == len({id(r) for r in queued}), "a request is in two queues"
+        assert {r.request_id for r in queued} == set(self.requests), "a request is lost or stray"
+        assert len(self.running) <= self.config.max_num_seqs
+        for request in self.running:
+            table = bm.block_tables.get(request.request_id, [])
+            assert len(table) * bm.block_size >= request.num_computed_tokens, "computed KV has no block"
+        for request in self.waiting:
+            assert request.request_id not in bm.block_tables, "a waiting request holds blocks"
+            assert request.status == RequestStatus.WAITING
+        for request in self.swapped:
+            assert request.request_id in bm.swap_tables and request.request_id not in bm.block_tables
+
+
