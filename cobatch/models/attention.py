@@ -1,0 +1,117 @@
+"""Paged attention over a block-structured KV cache, for a ragged batch of decode rows and prefill chunks.
+
+The flat batch puts all decode rows first, then the prefill rows (the runner builds it that way):
+
+    tokens:  [ d0 d1 ... d(D-1) | p0 p0 p0 p0 | p1 p1 ... ]
+               decode rows: 1 token each      prefill rows: many tokens each
+               batched together, one SDPA     one SDPA per row (few per step)
+
+KV cache of one layer: K and V tensors `[num_blocks, block_size, num_kv_heads, head_dim]`; token t of a
+sequence lives at slot `block_table[t // block_size] * block_size + t % block_size`.
+
+Masked-out slots (padding of block tables, other sequences' blocks) hold whatever was written there: zeros
+from allocation or K/V computed by the model, always finite; boolean masks give them exactly zero weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One prefill row: its query tokens in the flat batch and the cached context they attend to."""
+
+    start: int  # first token of the row in the flat batch
+    end: int  # one past its last token
+    # [ctx] flat cache slots of positions 0..ctx-1; None for a fresh prompt (no cached tokens), which
+    # attends to its own new K/V directly with a plain causal mask.
+    context_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # [1, 1, q, ctx] bool: key j visible to query i iff j <= computed + i
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one step, built once and shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    num_decode_tokens: int  # decode rows are tokens [0, num_decode_tokens) of the flat batch
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool: slot < seq_len
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([T, kvh, hd]) at their cache slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write this step's K/V to the cache, then attend: q [T, nh, hd], k/v [T, kvh, hd] -> [T, nh * hd]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    out = q.new_empty(num_tokens, num_heads, head_dim)  # [T, nh, hd]
+    num_decode = meta.num_decode_tokens
+    if num_decode:
+        out[:num_decode] = _decode_attention(q[:num_decode], k_cache, v_cache, meta, scale)
+    for span in meta.prefills:
+        out[span.start:span.end] = _prefill_attention(q, k, v, k_cache, v_cache, span, scale)
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """All one-token rows at once: gather their blocks, one SDPA with a length mask."""
+    assert meta.decode_block_tables is not None and meta.decode_mask is not None
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k = _gather_blocks(k_cache, meta.decode_block_tables)  # [D, kvh, ctx, hd]
+    v = _gather_blocks(v_cache, meta.decode_block_tables)  # [D, kvh, ctx, hd]
+    # GQA without expanding K/V: the query heads sharing one KV head become that head's "query
+    # positions" (one token, so no causality among them): [D, nh, hd] -> [D, kvh, group, hd].
+    q = q.view(num_rows, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
+    return out.reshape(num_rows, num_heads, head_dim)  # [D, nh, hd]
+
+
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, kvh, hd] through block tables [B, nb] -> contiguous [B, kvh, nb * bs, hd]."""
+    num_rows, max_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    gathered = cache[block_tables]  # [B, nb, bs, kvh, hd]
+    gathered = gathered.view(num_rows, max_blocks * block_size, num_kv_heads, head_dim)
+    # SDPA's CPU kernel is fastest on contiguous [B, heads, seq, hd]; one copy here beats strided reads.
+    return gathered.transpose(1, 2).contiguous()
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
+    """One prefill row: causal over its cached context plus its new tokens -> [n, nh, hd]."""
+    q_row = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, nh, n, hd]
+    if span.context_slots is None:
+        k_row = k[span.start:span.end]  # [n, kvh, hd]
+        v_row = v[span.start:span.end]
+    else:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_row = k_cache.view(-1, num_kv_heads, head_dim)[span.context_slots]  # [ctx, kvh, hd]
+        v_row = v_cache.view(-1, num_kv_heads, head_dim)[span.context_slots]
+    k_row = _expand_kv(k_row, q.shape[1])  # [1, nh, ctx, hd]
+    v_row = _expand_kv(v_row, q.shape[1])
+    out = F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=span.mask,
+                                         is_causal=span.mask is None, scale=scale)
+    return out.squeeze(0).transpose(0, 1)  # [n, nh, hd]
+
+
+def _expand_kv(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[ctx, kvh, hd] -> [1, nh, ctx, hd], each KV head repeated for its group of query heads."""
+    group = num_heads // kv.shape[1]
+    kv = kv.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
+    return kv.repeat_interleave(group, dim=1) if group > 1 else kv

@@ -1,0 +1,143 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2) over a flat ragged batch.
+
+gpt-fast style: explicit arguments, no HF plumbing. Q/K/V and gate/up projections are fused at load time
+(one matmul each). `forward` runs the whole step's tokens `[T]` through the layers; `compute_logits` then
+runs the final norm and lm_head only on the rows that sample.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cobatch.models.attention import AttentionMetadata, paged_attention
+from cobatch.models.model_config import ModelConfig, RopeScaling
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    # Uninitialized: the loader fills every parameter; skipping random init keeps loading fast.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back, like the HF reference: [T, H] -> [T, H]."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Per-pair rotation frequencies [hd / 2] (fp32), with linear or Llama-3 scaling applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate the band between.
+    old_len = s.original_max_position_embeddings
+    low_freq_wavelen = old_len / s.low_freq_factor
+    high_freq_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(config: ModelConfig, max_positions: int, dtype: torch.dtype,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [max_positions, hd / 2], computed in fp32 and stored in the model dtype."""
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return freqs.cos().to(dtype=dtype, device=device), freqs.sin().to(dtype=dtype, device=device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout): x [T, heads, hd], cos/sin [T, 1, hd / 2] -> [T, heads, hd]."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, heads, hd / 2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SiLU-gated MLP, with fused QKV and gate/up weights."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim, self.eps = config.head_dim, config.rms_norm_eps
+        self.scale = config.head_dim ** -0.5
+        self.input_norm = _param(h, dtype=dtype, device=device)
+        self.qkv_proj = _param(config.qkv_size, h, dtype=dtype, device=device)  # rows: q | k | v
+        self.qkv_bias = _param(config.qkv_size, dtype=dtype, device=device) if config.attention_bias else None
+        self.o_proj = _param(h, config.num_heads * config.head_dim, dtype=dtype, device=device)
+        self.o_bias = _param(h, dtype=dtype, device=device) if config.o_proj_bias else None
+        self.post_attention_norm = _param(h, dtype=dtype, device=device)
+        self.gate_up_proj = _param(2 * i, h, dtype=dtype, device=device)  # rows: gate | up
+        self.down_proj = _param(h, i, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """[T, H] -> [T, H]."""
+        x = x + self.attention(rms_norm(x, self.input_norm, self.eps), cos, sin, kv_cache, meta)
+        return x + self.mlp(rms_norm(x, self.post_attention_norm, self.eps))
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """Fused QKV, RoPE on q and k together, paged attention, output projection: [T, H] -> [T, H]."""
+        num_tokens = x.shape[0]
+        nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, (nh + 2 kvh) hd]
+        qk = qkv[:, :(nh + kvh) * hd].view(num_tokens, nh + kvh, hd)
+        v = qkv[:, (nh + kvh) * hd:].view(num_tokens, kvh, hd)
+        q, k = apply_rope(qk, cos, sin).split((nh, kvh), dim=1)  # [T, nh, hd], [T, kvh, hd]
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, nh hd]
+        return F.linear(out, self.o_proj, self.o_bias)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up, then down: [T, H] -> [T, H]."""
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)  # [T, I] each
+        return F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus embeddings and lm_head (tied to the embeddings when the model says so)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.norm = _param(config.hidden_size, dtype=dtype, device=device)
+        self.lm_head = (self.embed_tokens if config.tie_word_embeddings
+                        else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
+        cos, sin = rope_tables(config, config.max_position_embeddings, dtype, device)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_pos, hd / 2]
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: Sequence[KVCache]) -> torch.Tensor:
+        """input_ids, positions [T] -> last layer's output [T, H] (final norm is in compute_logits)."""
+        x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, hd / 2]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head on the sampled rows only: [R, H] -> fp32 logits [R, V]."""
+        hidden = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return F.linear(hidden, self.lm_head).float()

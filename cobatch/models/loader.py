@@ -1,0 +1,225 @@
+"""Load a Llama-family model from a Hugging Face folder (safetensors) or a GGUF file (dequantized).
+
+Both sources are first turned into HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), then
+`build_model` fuses them into the decoder's layout (QKV and gate/up concatenated).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from cobatch.models.llama import LlamaForCausalLM
+from cobatch.models.model_config import ModelConfig, RopeScaling
+from cobatch.models.paths import is_gguf, resolve_model_path
+
+__all__ = ["ModelConfig", "build_model", "load_model", "load_model_config", "resolve_model_path"]
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF architectures whose q/k rows llama.cpp's converter permuted for its RoPE kernel.
+_GGUF_PERMUTED_ARCHS = ("llama", "mistral")
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Load the model at `path` (HF folder or .gguf file) in `dtype` on `device`."""
+    path = Path(path)
+    if is_gguf(path):
+        config, tensors = _load_gguf(path, dtype)
+    else:
+        config, tensors = load_model_config(path), _load_hf_tensors(path)
+    return build_model(config, tensors, dtype, device), config
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Only the config: GGUF metadata, or config.json (+ generation_config.json's EOS ids)."""
+    path = Path(path)
+    if is_gguf(path):
+        import gguf
+        return _gguf_config(gguf.GGUFReader(path), path)
+    cfg = json.loads((path / "config.json").read_text())
+    _check_hf_supported(cfg)
+    gen_path = path / "generation_config.json"
+    gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.exists() else None
+    extra = tuple(gen_eos) if isinstance(gen_eos, list) else (() if gen_eos is None else (gen_eos,))
+    return ModelConfig.from_hf_config(cfg, name=path.name, extra_eos=extra)
+
+
+def _check_hf_supported(cfg: Mapping[str, object]) -> None:
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+        raise ValueError("only SiLU MLPs without bias are supported "
+                         f"(hidden_act={cfg.get('hidden_act')!r}, mlp_bias={cfg.get('mlp_bias')})")
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+def build_model(config: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """Fill a fresh decoder from HF-named tensors, fusing QKV and gate/up."""
+    model = LlamaForCausalLM(config, dtype, device)
+    get = _Getter(tensors)
+    with torch.no_grad():
+        _fill(model.embed_tokens, get("model.embed_tokens.weight"))
+        _fill(model.norm, get("model.norm.weight"))
+        if not config.tie_word_embeddings:
+            _fill(model.lm_head, get("lm_head.weight"))
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+            _fill(layer.input_norm, get(p + "input_layernorm.weight"))
+            _fill(layer.post_attention_norm, get(p + "post_attention_layernorm.weight"))
+            _fill(layer.qkv_proj, torch.cat([get(n + ".weight") for n in attn]))
+            if layer.qkv_bias is not None:
+                _fill(layer.qkv_bias, torch.cat([get(n + ".bias") for n in attn]))
+            _fill(layer.o_proj, get(p + "self_attn.o_proj.weight"))
+            if layer.o_bias is not None:
+                _fill(layer.o_bias, get(p + "self_attn.o_proj.bias"))
+            _fill(layer.gate_up_proj, torch.cat([get(p + "mlp.gate_proj.weight"),
+                                                 get(p + "mlp.up_proj.weight")]))
+            _fill(layer.down_proj, get(p + "mlp.down_proj.weight"))
+    return model.eval()
+
+
+class _Getter:
+    """Looks tensors up by HF name, accepting checkpoints saved without the `model.` prefix."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __call__(self, name: str) -> torch.Tensor:
+        for key in (name, name.removeprefix("model.")):
+            if key in self.tensors:
+                return self.tensors[key]
+        raise KeyError(f"checkpoint has no tensor {name!r}")
+
+
+def _fill(param: torch.Tensor, src: torch.Tensor) -> None:
+    # copy_ would broadcast silently; a shape mismatch means a wrong config or a wrong mapping.
+    if param.shape != src.shape:
+        raise ValueError(f"weight shape {tuple(src.shape)} does not match the model's {tuple(param.shape)}")
+    param.copy_(src)
+
+
+# -------------------------------------------------------------------------------------- HF folders
+
+def _load_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:  # sharded checkpoints: model-00001-of-0000N.safetensors ...
+            tensors.update(load_file(file))
+        return tensors
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"{path} has no *.safetensors (or pytorch_model*.bin) weights")
+    tensors = {}
+    for file in bins:
+        tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+    return tensors
+
+
+# -------------------------------------------------------------------------------------------- GGUF
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    config = _gguf_config(reader, path)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = _gguf_to_hf_name(t.name)
+        if name is None:
+            continue
+        array = gguf.quants.dequantize(t.data, t.tensor_type)
+        if not array.flags.writeable:  # memory-mapped F32 tensors: torch wants a writable buffer
+            array = np.array(array)
+        weight = torch.from_numpy(array).to(dtype)  # per tensor, so fp32 copies never pile up
+        if config.architecture in _GGUF_PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            weight = reverse_rope_permute(weight, heads)
+        tensors[name] = weight
+    return config, tensors
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    stem, _, kind = name.rpartition(".")  # kind: weight | bias
+    if stem in _GGUF_TOP_NAMES:
+        return f"{_GGUF_TOP_NAMES[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{kind}"
+    if stem == "rope_freqs":
+        raise ValueError("GGUF files with precomputed rope_freqs (Llama 3.1 scaling) are not supported; "
+                         "use the Hugging Face folder instead")
+    return None
+
+
+def reverse_rope_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> HF's rotate-half halves)."""
+    rows = weight.shape[0]
+    half_dim = rows // num_heads // 2
+    w = weight.reshape(num_heads, half_dim, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def _gguf_config(reader: object, path: Path) -> ModelConfig:
+    fields = reader.fields  # type: ignore[attr-defined]
+
+    def get(key: str, default: object = None) -> object:
+        return fields[key].contents() if key in fields else default
+
+    arch = str(get("general.architecture"))
+    if arch not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama, mistral, qwen2")
+    tensor_names = {t.name for t in reader.tensors}  # type: ignore[attr-defined]
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")  # type: ignore[attr-defined]
+    hidden = int(get(f"{arch}.embedding_length"))  # type: ignore[arg-type]
+    num_heads = int(get(f"{arch}.attention.head_count"))  # type: ignore[arg-type]
+    eos = [get("tokenizer.ggml.eos_token_id"), get("tokenizer.ggml.eot_token_id")]
+    has_bias = "blk.0.attn_q.bias" in tensor_names
+    return ModelConfig(
+        name=str(get("general.name") or path.stem),
+        architecture=arch,
+        vocab_size=int(embd.shape[1]),  # GGUF shapes are [in, out]: token_embd is [H, V]
+        hidden_size=hidden,
+        intermediate_size=int(get(f"{arch}.feed_forward_length")),  # type: ignore[arg-type]
+        num_layers=int(get(f"{arch}.block_count")),  # type: ignore[arg-type]
+        num_heads=num_heads,
+        num_kv_heads=int(get(f"{arch}.attention.head_count_kv", num_heads)),  # type: ignore[arg-type]
+        head_dim=int(get(f"{arch}.attention.key_length", hidden // num_heads)),  # type: ignore[arg-type]
+        rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),  # type: ignore[arg-type]
+        rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),  # type: ignore[arg-type]
+        max_position_embeddings=int(get(f"{arch}.context_length", 2048)),  # type: ignore[arg-type]
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=has_bias,
+        o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+        bos_token_id=_opt(get("tokenizer.ggml.bos_token_id")),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),  # type: ignore[call-overload]
+        rope_scaling=_gguf_rope_scaling(get, arch),
+    )
+
+
+def _gguf_rope_scaling(get: object, arch: str) -> RopeScaling | None:
+    kind = get(f"{arch}.rope.scaling.type")  # type: ignore[operator]
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise ValueError(f"unsupported GGUF rope scaling {kind!r}; supported: linear (or none)")
+    return RopeScaling(rope_type="linear", factor=float(get(f"{arch}.rope.scaling.factor")))  # type: ignore[operator]
+
+
+def _opt(value: object) -> int | None:
+    return None if value is None else int(value)  # type: ignore[call-overload]

@@ -1,0 +1,136 @@
+"""ModelConfig: the decoder's shape and constants, from a HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_SCALING = ("linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """RoPE frequency scaling: "linear" (positions / factor) or Llama-3's "llama3" band scaling."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_SCALING:
+            raise ValueError(f"unsupported rope scaling {self.rope_type!r}; "
+                             f"supported: {SUPPORTED_ROPE_SCALING} (or none)")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape and constants of a Llama-family decoder (llama, mistral, qwen2)."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v (qwen2 always; llama when config.attention_bias)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    rope_scaling: RopeScaling | None = None
+    o_proj_bias: bool = False  # llama's attention_bias also puts a bias on o_proj; qwen2's doesn't
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; "
+                             f"supported: {SUPPORTED_ARCHITECTURES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def qkv_size(self) -> int:
+        """Output width of the fused QKV projection."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, object], name: str = "",
+                       extra_eos: tuple[int, ...] = ()) -> ModelConfig:
+        """From a Hugging Face config.json dict (LlamaConfig / MistralConfig / Qwen2Config)."""
+        arch = str(cfg.get("model_type", ""))
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        bias = arch == "qwen2" or bool(cfg.get("attention_bias", False))
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        window = cfg.get("sliding_window")
+        if window and (arch == "mistral" or cfg.get("use_sliding_window")):
+            # No sliding-window attention here: stay within the window, where it is exact.
+            max_pos = min(max_pos, int(window))
+        return cls(
+            name=name or str(cfg.get("_name_or_path", "") or arch),
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(_rope_theta(cfg)),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bias,
+            o_proj_bias=arch != "qwen2" and bias,
+            bos_token_id=_opt_int(cfg.get("bos_token_id")),
+            eos_token_ids=_merge_ids(cfg.get("eos_token_id"), extra_eos),
+            rope_scaling=_hf_rope_scaling(cfg),
+        )
+
+
+def _rope_theta(cfg: Mapping[str, object]) -> float:
+    if "rope_theta" in cfg:
+        return float(cfg["rope_theta"])  # type: ignore[arg-type]
+    params = cfg.get("rope_parameters")  # transformers 5 moves it here
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return 10000.0
+
+
+def _hf_rope_scaling(cfg: Mapping[str, object]) -> RopeScaling | None:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not isinstance(scaling, Mapping):
+        return None
+    rope_type = str(scaling.get("rope_type") or scaling.get("type") or "default")
+    if rope_type == "default":
+        return None
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(scaling.get("factor", 1.0)),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _opt_int(value: object) -> int | None:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return None if value is None else int(value)  # type: ignore[arg-type]
+
+
+def _merge_ids(value: object, extra: tuple[int, ...]) -> tuple[int, ...]:
+    ids = value if isinstance(value, list) else ([] if value is None else [value])
+    merged: list[int] = []
+    for token_id in [*ids, *extra]:
+        if int(token_id) not in merged:  # type: ignore[call-overload]
+            merged.append(int(token_id))  # type: ignore[call-overload]
+    return tuple(merged)

@@ -1,0 +1,252 @@
+"""ModelRunner: owns the model and the paged KV cache; turns a SchedulerOutput into sampled tokens.
+
+One step: swap-out copies, swap-in copies, then one forward over the ragged batch (decode rows first, then
+prefill rows; see models/attention.py), final norm + lm_head on the sampled rows only, then the sampler.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from cobatch.config import EngineConfig
+from cobatch.models.attention import AttentionMetadata, PrefillSpan
+from cobatch.models.llama import LlamaForCausalLM
+from cobatch.models.loader import load_model, resolve_model_path
+from cobatch.models.model_config import ModelConfig
+from cobatch.runner.sampler import Sampler
+from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
+
+_GIB = 1 << 30
+_DEFAULT_KV_CACHE_GIB = 4.0
+_DEFAULT_KV_CACHE_SHARE = 0.3  # of the memory available at start-up
+
+
+class ModelRunner:
+    """Owns the model, the device KV cache and the host swap pool; executes one scheduled step."""
+
+    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, *, num_kv_blocks: int,
+                 block_size: int, num_swap_blocks: int = 0, max_model_len: int | None = None,
+                 seed: int = 0) -> None:
+        param = next(model.parameters())
+        self.model, self.model_config = model, model_config
+        self.dtype, self.device = param.dtype, param.device
+        self.block_size = block_size
+        self.num_kv_blocks, self.num_swap_blocks = num_kv_blocks, num_swap_blocks
+        self.max_model_len = max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={model_config.max_position_embeddings}")
+        self.kv_bytes_per_token = kv_bytes_per_token(model_config, self.dtype)
+        self.eos_token_ids: tuple[int, ...] = model_config.eos_token_ids
+        # One tensor for all layers, so a swap is a single indexed copy: [L, 2 (K/V), blocks, bs, kvh, hd].
+        self.kv_cache = self._allocate_cache(num_kv_blocks, self.device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
+        self.swap_cache = self._allocate_cache(num_swap_blocks, torch.device("cpu"))
+        self.sampler = Sampler(seed, self.device)
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests make steps fail
+        self.last_timings: dict[str, float] = {}
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> ModelRunner:
+        """Resolve and load the model, pick dtype and threads, size the KV cache and swap pool."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = pick_device(config.device)
+        dtype = pick_dtype(config.dtype, device)
+        model, model_config = load_model(resolve_model_path(config.model), dtype, device)
+        bytes_per_block = kv_bytes_per_token(model_config, dtype) * config.block_size
+        num_kv_blocks = config.num_kv_blocks or max(1, int(_kv_cache_bytes(config, device) // bytes_per_block))
+        num_swap_blocks = int(config.swap_space * _GIB // bytes_per_block)
+        return cls(model, model_config, num_kv_blocks=num_kv_blocks, block_size=config.block_size,
+                   num_swap_blocks=num_swap_blocks, max_model_len=config.max_model_len, seed=config.seed)
+
+    @classmethod
+    def from_model(cls, model: LlamaForCausalLM, model_config: ModelConfig, num_kv_blocks: int,
+                   block_size: int, *, num_swap_blocks: int = 0, max_model_len: int | None = None,
+                   seed: int = 0) -> ModelRunner:
+        """A runner around an in-memory model (tests: tiny random models, no files)."""
+        return cls(model, model_config, num_kv_blocks=num_kv_blocks, block_size=block_size,
+                   num_swap_blocks=num_swap_blocks, max_model_len=max_model_len, seed=seed)
+
+    def _allocate_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        c = self.model_config
+        shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        # Zeros, not empty: masked-out slots must hold finite values (see models/attention.py).
+        pin = device.type == "cpu" and self.device.type == "cuda"
+        return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Swap out, swap in, one forward over `out.rows`, sample the rows with needs_sample."""
+        if self.fault_hook is not None:
+            self.fault_hook(out)
+        self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
+        self.last_timings = {"prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0}
+        if not out.rows:
+            return RunnerOutput((), ())
+        t0 = time.perf_counter()
+        batch = prepare_batch(out.rows, self.block_size, self.device)
+        t1 = time.perf_counter()
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)  # [T, H]
+        logits = self.model.compute_logits(hidden[batch.sample_indices])  # [R, V] fp32
+        t2 = time.perf_counter()
+        sampled_rows = [row for row in out.rows if row.needs_sample]
+        result = self.sampler(logits, sampled_rows, self.eos_token_ids) if sampled_rows else None
+        t3 = time.perf_counter()
+        self.last_timings = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2}
+        if result is None:
+            return RunnerOutput((), ())
+        return RunnerOutput(tuple(result.token_ids), tuple(result.logprobs))
+
+    def _swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
+        # Out first: this step's swap-ins and rows may reuse the device blocks just freed.
+        if swap_out:
+            dev, host = _pair_indices(swap_out)
+            self.swap_cache[:, :, host] = self.kv_cache[:, :, dev.to(self.device)].to("cpu")
+        if swap_in:
+            host, dev = _pair_indices(swap_in)
+            self.kv_cache[:, :, dev.to(self.device)] = self.swap_cache[:, :, host].to(self.device)
+
+
+def _pair_indices(pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    both = torch.tensor(pairs, dtype=torch.int64)  # [N, 2]
+    return both[:, 0], both[:, 1]
+
+
+# ---------------------------------------------------------------------------------------- inputs
+
+class Batch:
+    """Flat step inputs: token ids and positions [T], attention metadata, rows to sample [R]."""
+
+    __slots__ = ("input_ids", "positions", "meta", "sample_indices")
+
+    def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 sample_indices: torch.Tensor) -> None:
+        self.input_ids, self.positions, self.meta = input_ids, positions, meta
+        self.sample_indices = sample_indices
+
+
+def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.device) -> Batch:
+    """Flatten the rows (decode rows first) and build all attention metadata once for every layer."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i].num_new_tokens != 1)  # stable: decode first
+    ordered = [rows[i] for i in order]
+    num_decode = sum(1 for r in ordered if r.num_new_tokens == 1)
+    token_ids: list[int] = []
+    for r in ordered:
+        assert r.num_new_tokens > 0, f"row {r.request_id} schedules no tokens"
+        token_ids.extend(r.token_ids[r.num_computed_tokens:r.num_computed_tokens + r.num_new_tokens])
+    starts = torch.tensor([r.num_computed_tokens for r in ordered])  # [R]
+    counts = torch.tensor([r.num_new_tokens for r in ordered])  # [R]
+    ends = torch.cumsum(counts, 0)  # [R]: one past each row's last token in the flat batch
+    row_of_token = torch.repeat_interleave(torch.arange(len(ordered)), counts)  # [T]
+    positions = starts[row_of_token] + torch.arange(len(token_ids)) - (ends - counts)[row_of_token]  # [T]
+    block_tables = _padded_block_tables(ordered, block_size)  # [R, max_blocks]
+    slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), num_decode_tokens=num_decode)
+    if num_decode:
+        _add_decode_metadata(meta, block_tables[:num_decode], starts[:num_decode] + 1, block_size, device)
+    for j in range(num_decode, len(ordered)):
+        meta.prefills.append(_prefill_span(block_tables[j], int(starts[j]), int(counts[j]), int(ends[j]),
+                                           block_size, device))
+    position_in_order = {row_index: k for k, row_index in enumerate(order)}
+    sample_indices = [int(ends[position_in_order[i]]) - 1 for i, r in enumerate(rows) if r.needs_sample]
+    return Batch(torch.tensor(token_ids, device=device), positions.to(device), meta,
+                 torch.tensor(sample_indices, dtype=torch.int64, device=device))
+
+
+def _padded_block_tables(rows: Sequence[ScheduledRow], block_size: int) -> torch.Tensor:
+    """Each row's blocks up to its last new token, padded with block 0 (masked out): [R, max_blocks]."""
+    needed = [-(-(r.num_computed_tokens + r.num_new_tokens) // block_size) for r in rows]
+    width = max(needed)
+    tables = []
+    for r, n in zip(rows, needed):
+        assert len(r.block_table) >= n, f"row {r.request_id}: block table shorter than its tokens"
+        tables.append(r.block_table[:n] + [0] * (width - n))
+    return torch.tensor(tables, dtype=torch.int64)
+
+
+def _add_decode_metadata(meta: AttentionMetadata, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                         block_size: int, device: torch.device) -> None:
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    meta.decode_block_tables = block_tables[:, :num_blocks].contiguous().to(device)  # [D, nb]
+    slots = torch.arange(num_blocks * block_size)
+    meta.decode_mask = (slots[None, :] < seq_lens[:, None])[:, None, None, :].to(device)  # [D, 1, 1, ctx]
+
+
+def _prefill_span(block_table: torch.Tensor, num_computed: int, num_new: int, end: int, block_size: int,
+                  device: torch.device) -> PrefillSpan:
+    span = PrefillSpan(start=end - num_new, end=end)
+    if num_computed == 0:
+        return span  # fresh prompt: plain causal attention over its own new K/V
+    context = torch.arange(num_computed + num_new)  # [ctx]
+    span.context_slots = (block_table[context // block_size] * block_size + context % block_size).to(device)
+    query_pos = torch.arange(num_computed, num_computed + num_new)  # [n]
+    span.mask = (context[None, :] <= query_pos[:, None])[None, None].to(device)  # [1, 1, n, ctx]
+    return span
+
+
+# ---------------------------------------------------------------------------------- device, dtype
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """KV cache bytes one token takes across all layers (K and V)."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+def pick_device(name: str) -> torch.device:
+    """'auto' -> CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> bf16 on CUDA or on a CPU with native bf16 matmuls (AVX512-BF16 / AMX), else fp32."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda" or cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when oneDNN can run bf16 matmuls natively on this CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        return False
+    flags = _cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _kv_cache_bytes(config: EngineConfig, device: torch.device) -> float:
+    """Explicit kv_cache_memory_gb, else min(4 GiB, 30% of the memory available now)."""
+    if config.kv_cache_memory_gb is not None:
+        return config.kv_cache_memory_gb * _GIB
+    return min(_DEFAULT_KV_CACHE_GIB * _GIB, _DEFAULT_KV_CACHE_SHARE * _available_bytes(device))
+
+
+def _available_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))

@@ -1,0 +1,206 @@
+"""Batched sampling with per-row parameters: penalties, logit bias, min_tokens, temperature, top-k/p, min-p.
+
+Order per row (vLLM's): sanitize -> penalties -> logit_bias -> min_tokens mask -> greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> exponential race (argmax(p / E), E ~ Exp(1), equivalent to
+sampling from p). Seeded rows draw E from their own generator seeded by (seed, num_output_tokens), so a
+seeded request gets the same tokens whatever else is in the batch. Logprobs are the *raw* model
+distribution (log_softmax of the logits before penalties, bias and temperature), documented in TokenLogprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from cobatch.sampling_params import SamplingParams
+from cobatch.scheduler_output import ScheduledRow, TokenLogprobs
+
+_POS_INF_CLAMP = 1e30  # +inf logits become huge but finite, so softmax and temperature stay defined
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the 63-bit seed space
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """Sampled token per row, plus logprobs where the row asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Samples one token per row from fp32 logits [R, V]; one engine-level generator for unseeded rows."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[ScheduledRow],
+                 eos_token_ids: Sequence[int] = ()) -> SamplerOutput:
+        """logits [R, V] fp32 for `rows` (in order) -> one token id per row."""
+        params = [row.sampling_params for row in rows]
+        raw = sanitize_logits(logits)  # [R, V]
+        processed = apply_penalties(raw, rows)
+        processed = apply_logit_bias(processed, params)
+        processed = apply_min_tokens(processed, rows, eos_token_ids)
+        token_ids = processed.argmax(dim=-1)  # [R]; the answer for greedy rows
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if random_rows:
+            token_ids[random_rows] = self._sample_random(processed[random_rows],
+                                                         [rows[i] for i in random_rows])
+        token_ids = _fallback_dead_rows(token_ids, processed, raw)
+        return SamplerOutput(token_ids.tolist(), compute_logprobs(raw, token_ids, params))
+
+    def _sample_random(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> torch.Tensor:
+        """Temperature, top-k/p, min-p, then the exponential race: [R', V] -> [R']."""
+        params = [row.sampling_params for row in rows]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = apply_top_k_top_p(logits / temps.unsqueeze(1), params)
+        probs = apply_min_p(logits.softmax(dim=-1), params)  # [R', V]
+        noise = torch.empty_like(probs)  # [R', V]
+        if any(p.seed is None for p in params):
+            noise.exponential_(generator=self.generator)
+        for i, row in enumerate(rows):  # unavoidable: one generator per seeded row
+            if row.sampling_params.seed is not None:
+                gen = _row_generator(row.sampling_params.seed, row.num_output_tokens, probs.device)
+                noise[i].exponential_(generator=gen)
+        # A zero draw would turn 0 / 0 into NaN, which argmax would pick: keep E strictly positive.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _row_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    """A generator that depends only on the request's seed and how many tokens it has generated."""
+    mixed = (seed * _SEED_MIX + step) & ((1 << 63) - 1)
+    return torch.Generator(device).manual_seed(mixed)
+
+
+def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf, +inf -> huge finite; a row with nothing finite becomes "token 0" so it cannot crash."""
+    out = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=_POS_INF_CLAMP, neginf=float("-inf"))
+    dead = ~torch.isfinite(out.max(dim=-1).values)  # [R]
+    if dead.any():
+        out[dead] = float("-inf")
+        out[dead, 0] = 0.0
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> torch.Tensor:
+    """vLLM semantics: repetition over prompt+output tokens, frequency/presence over output tokens."""
+    idx = [i for i, row in enumerate(rows) if row.sampling_params.has_penalties]
+    if not idx:
+        return logits
+    vocab = logits.shape[1]
+    sub = logits[idx]  # [P, V]
+    prompt_seen = _token_counts([rows[i].token_ids[:rows[i].num_prompt_tokens] for i in idx], vocab) > 0
+    output_counts = _token_counts([rows[i].token_ids[rows[i].num_prompt_tokens:] for i in idx], vocab)
+    params = [rows[i].sampling_params for i in idx]
+    rep = torch.tensor([p.repetition_penalty for p in params], device=logits.device).unsqueeze(1)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=logits.device).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in params], device=logits.device).unsqueeze(1)
+    output_seen = output_counts > 0
+    seen = prompt_seen | output_seen
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - freq * output_counts - pres * output_seen
+    out = logits.clone()
+    out[idx] = sub
+    return out
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    """Occurrences of each token id per row: [P, V] fp32 (padding goes to an extra dropped column)."""
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), width), vocab, dtype=torch.int64)
+    for r, tokens in enumerate(token_lists):
+        padded[r, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
+    counts = torch.zeros(len(token_lists), vocab + 1)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Add each row's logit_bias (OpenAI semantics: additive, token ids out of range are ignored)."""
+    vocab = logits.shape[1]
+    entries = [(r, tok, bias) for r, p in enumerate(params) for tok, bias in p.logit_bias if 0 <= tok < vocab]
+    if not entries:
+        return logits
+    rows, toks, biases = zip(*entries)
+    out = logits.clone()
+    out.index_put_((torch.tensor(rows), torch.tensor(toks)), torch.tensor(biases, dtype=out.dtype),
+                   accumulate=True)
+    return out
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[ScheduledRow],
+                     eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """While a row has fewer than min_tokens outputs, its EOS ids and stop_token_ids cannot be sampled."""
+    vocab = logits.shape[1]
+    entries = [(r, tok) for r, row in enumerate(rows)
+               if row.num_output_tokens < row.sampling_params.min_tokens
+               for tok in (*eos_token_ids, *row.sampling_params.stop_token_ids) if 0 <= tok < vocab]
+    if not entries:
+        return logits
+    rows_idx, toks = zip(*entries)
+    out = logits.clone()
+    out[torch.tensor(rows_idx), torch.tensor(toks)] = float("-inf")
+    return out
+
+
+def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Keep each row's top_k logits (ties at the threshold kept), then its top_p nucleus: [R, V]."""
+    vocab = logits.shape[1]
+    if all(p.top_k == 0 or p.top_k >= vocab for p in params) and all(p.top_p >= 1.0 for p in params):
+        return logits  # nothing to cut: skip the sort
+    k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)  # [R, V] ascending
+    kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # [R, 1]: the k-th largest
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [R, V]
+    cut = cum <= (1.0 - top_p).unsqueeze(1)  # the low tail whose total mass is within 1 - top_p
+    cut[:, -1] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Zero tokens whose probability is below min_p times the row's top probability: [R, V]."""
+    if all(p.min_p <= 0.0 for p in params):
+        return probs
+    min_p = torch.tensor([p.min_p for p in params], device=probs.device).unsqueeze(1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p  # [R, 1]
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _fallback_dead_rows(token_ids: torch.Tensor, processed: torch.Tensor,
+                        raw: torch.Tensor) -> torch.Tensor:
+    """Rows the masks emptied (e.g. min_tokens masked every token) take the raw argmax instead."""
+    dead = ~torch.isfinite(processed.max(dim=-1).values)
+    if dead.any():
+        token_ids = torch.where(dead, raw.argmax(dim=-1), token_ids)
+    return token_ids
+
+
+def compute_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
+                     params: Sequence[SamplingParams]) -> list[TokenLogprobs | None]:
+    """Raw-model logprob, rank and top alternatives of each sampled token, for rows that asked."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    idx = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not idx:
+        return out
+    logprobs = raw[idx].log_softmax(dim=-1)  # [L, V]
+    chosen = logprobs.gather(1, token_ids[idx].unsqueeze(1))  # [L, 1]
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    max_k = max(params[i].logprobs or 0 for i in idx)
+    top_vals: list[list[float]] = [[] for _ in idx]
+    top_ids: list[list[int]] = [[] for _ in idx]
+    if max_k:
+        values, indices = logprobs.topk(max_k, dim=-1)  # [L, max_k], most likely first
+        top_vals, top_ids = values.tolist(), indices.tolist()
+    chosen_list, chosen_ids = chosen.squeeze(1).tolist(), token_ids[idx].tolist()
+    for j, i in enumerate(idx):
+        k = params[i].logprobs or 0
+        top = tuple(zip(top_ids[j][:k], top_vals[j][:k]))
+        out[i] = TokenLogprobs(chosen_ids[j], chosen_list[j], ranks[j], top)
+    return out
