@@ -1,0 +1,89 @@
+"""Loader: GGUF metadata, HF safetensors folders (sharded too), RoPE permutation and scaling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cobatch.models.llama import rope_inv_freq
+from cobatch.models.loader import load_model, load_model_config, resolve_model_path, reverse_rope_permute
+from cobatch.runner.model_runner import ModelRunner
+from tests.runner_helpers import BlockAllocator, hf_greedy, step, tiny_hf_model
+
+PROMPT = [3, 141, 59, 26, 5, 35, 89, 79]
+
+
+def test_default_model_path_and_gguf_config() -> None:
+    path = resolve_model_path(None)
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.exists()
+    c = load_model_config(path)
+    assert (c.architecture, c.vocab_size, c.hidden_size, c.intermediate_size) == ("llama", 49152, 576, 1536)
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 9, 3, 64)
+    assert c.tie_word_embeddings and not c.attention_bias and c.rope_scaling is None
+    assert c.rope_theta == 100000.0 and c.max_position_embeddings == 8192
+    assert c.rms_norm_eps == pytest.approx(1e-5) and c.bos_token_id == 1 and c.eos_token_ids == (2,)
+
+
+def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not found"):
+        resolve_model_path(str(tmp_path / "nope"))
+
+
+def test_reverse_rope_permute_undoes_llama_cpp_permute() -> None:
+    def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:  # convert_hf_to_gguf.py
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = torch.randn(3 * 8, 5)
+    assert torch.equal(reverse_rope_permute(llama_cpp_permute(w, 3), 3), w)
+
+
+def _round_trip(hf_model: torch.nn.Module, tmp_path: Path, **save_kwargs: object) -> list[int]:
+    hf_model.save_pretrained(tmp_path, **save_kwargs)
+    model, config = load_model(tmp_path, torch.float32)
+    runner = ModelRunner.from_model(model, config, num_kv_blocks=16, block_size=4)
+    seq = BlockAllocator(4).seq("r", PROMPT, len(PROMPT) + 6)
+    step(runner, [(seq, None)])
+    for _ in range(5):
+        step(runner, [(seq, 1)])
+    return seq.output
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_safetensors_folder_round_trip(arch: str, tmp_path: Path) -> None:
+    hf = tiny_hf_model(arch, seed=3)
+    assert _round_trip(hf, tmp_path) == hf_greedy(hf, PROMPT, 6)
+    config = load_model_config(tmp_path)
+    assert config.architecture == arch and config.attention_bias == (arch == "qwen2")
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size) == (4, 2, 16, 256)
+
+
+def test_sharded_checkpoint_and_tied_embeddings(tmp_path: Path) -> None:
+    hf = tiny_hf_model("llama", seed=4, tie_word_embeddings=True)
+    assert _round_trip(hf, tmp_path, max_shard_size="40KB") == hf_greedy(hf, PROMPT, 6)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model, _ = load_model(tmp_path, torch.bfloat16)
+    assert model.lm_head is model.embed_tokens and model.embed_tokens.dtype == torch.bfloat16
+
+
+def test_llama3_rope_scaling_matches_hf(tmp_path: Path) -> None:
+    scaling = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf = tiny_hf_model("llama", seed=5, rope_parameters=scaling)
+    assert _round_trip(hf, tmp_path) == hf_greedy(hf, PROMPT, 6)
+    config = load_model_config(tmp_path)
+    assert config.rope_scaling is not None and config.rope_scaling.rope_type == "llama3"
+    ours = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    assert torch.allclose(ours, hf.model.rotary_emb.inv_freq)
+    assert not torch.allclose(ours, rope_inv_freq(config.head_dim, config.rope_theta, None))
+
+
+def test_unknown_rope_scaling_is_refused(tmp_path: Path) -> None:
+    tiny_hf_model("llama").config.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
+        load_model_config(tmp_path)

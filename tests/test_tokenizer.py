@@ -1,0 +1,94 @@
+"""Tokenizer wrapper, streaming detokenization and stop strings (the default model's tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cobatch.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+TEXT = "Héllo wörld 🤗🎉 世界! naïve café — ok 👩‍👩‍👧 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.load(None)
+
+
+def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] = ()) -> list[str]:
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    return [detok.step([i]) for i in ids] + [detok.flush()]
+
+
+def test_incremental_equals_full_decode_with_multibyte(tok: Tokenizer) -> None:
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    deltas = _stream(tok, ids, prompt=tok.encode("Say:"))
+    assert "".join(deltas) == tok.decode(ids) == TEXT
+    assert not any("\ufffd" in d for d in deltas)  # never a half character
+    assert "" in deltas  # some emoji really were split over tokens and held back
+
+
+def test_incremental_skips_special_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("Hi there", add_special_tokens=False) + [tok.eos_token_ids[0]]
+    assert "".join(_stream(tok, ids)) == "Hi there"
+
+
+def test_chat_template_of_default_model(tok: Tokenizer) -> None:
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert ids.count(1) == 3  # <|im_start|> once per turn, not doubled by add_special_tokens
+    assert tok.has_chat_template and tok.eos_token_ids == (2,) and tok.vocab_size == 49152
+    assert tok.convert_ids_to_tokens(tok.encode("Hello", add_special_tokens=False)) == ["Hello"]
+
+
+def test_missing_chat_template_is_a_value_error(tok: Tokenizer) -> None:
+    bare = Tokenizer(tok.hf)
+    saved, tok.hf.chat_template = tok.hf.chat_template, None
+    try:
+        with pytest.raises(ValueError, match="no chat template"):
+            bare.apply_chat_template([{"role": "user", "content": "hi"}])
+    finally:
+        tok.hf.chat_template = saved
+
+
+def _feed(checker: StopChecker, pieces: list[str]) -> tuple[str, bool]:
+    out, stopped = "", False
+    for piece in pieces:
+        emitted, stopped = checker.process(piece)
+        out += emitted
+        if stopped:
+            return out, True
+    return out + checker.flush(), False
+
+
+@pytest.mark.parametrize("pieces", [["Hello ST", "OP there"], ["Hello S", "T", "O", "P"], ["Hello STOP"],
+                                    ["Hel", "lo", " ", "STOP", "x"]])
+def test_stop_string_split_across_tokens_never_leaks(pieces: list[str]) -> None:
+    checker = StopChecker(["STOP"])
+    emitted: list[str] = []
+    for piece in pieces:
+        out, stopped = checker.process(piece)
+        emitted.append(out)
+        if stopped:
+            break
+    assert stopped and "".join(emitted) == "Hello "
+    assert all("S" not in e for e in emitted)  # not even a partial stop string went out
+
+
+def test_stop_string_included_when_asked() -> None:
+    assert _feed(StopChecker(["</s>", "END"], include_stop_str_in_output=True), ["a</", "s>b"]) == ("a</s>", True)
+
+
+def test_earliest_stop_string_wins() -> None:
+    assert _feed(StopChecker(["world", "lo w"]), ["hello world"]) == ("hel", True)
+
+
+def test_false_partial_match_is_released() -> None:
+    checker = StopChecker(["STOP"])
+    assert checker.process("go ST") == ("go ", False)
+    assert checker.process("ART") == ("START", False)
+    assert _feed(StopChecker(["STOP"]), ["end ST"]) == ("end ST", False)  # flushed at the end
+
+
+def test_no_stop_strings_is_pass_through() -> None:
+    assert StopChecker([]).process("anything") == ("anything", False)
