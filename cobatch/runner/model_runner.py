@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from cobatch.config import EngineConfig
@@ -77,7 +78,9 @@ class ModelRunner:
         c = self.model_config
         shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         # Zeros, not empty: masked-out slots must hold finite values (see models/attention.py).
-        pin = device.type == "cpu" and self.device.type == "cuda"
+        if device.type == "cpu" and self.device.type == "cpu":
+            return lazy_cpu_zeros(shape, self.dtype)
+        pin = device.type == "cpu"  # host swap pool of a GPU cache: pinned for fast copies
         return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
 
     @torch.inference_mode()
@@ -111,6 +114,20 @@ class ModelRunner:
         if swap_in:
             host, dev = _pair_indices(swap_in)
             self.kv_cache[:, :, dev.to(self.device)] = self.swap_cache[:, :, host].to(self.device)
+
+
+def lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros from calloc: the OS maps zero pages lazily, so a 4 GiB cache costs nothing until used.
+
+    torch.zeros memsets (seconds for GiBs and all of it resident at once); numpy's zeros uses calloc.
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)  # numpy gives empty arrays stride 0: no view possible
+    raw = np.zeros(numel * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def _pair_indices(pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

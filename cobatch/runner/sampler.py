@@ -44,12 +44,12 @@ class Sampler:
         processed = apply_penalties(raw, rows)
         processed = apply_logit_bias(processed, params)
         processed = apply_min_tokens(processed, rows, eos_token_ids)
-        token_ids = processed.argmax(dim=-1)  # [R]; the answer for greedy rows
+        best, token_ids = processed.max(dim=-1)  # [R]; the argmax is the answer for greedy rows
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             token_ids[random_rows] = self._sample_random(processed[random_rows],
                                                          [rows[i] for i in random_rows])
-        token_ids = _fallback_dead_rows(token_ids, processed, raw)
+        token_ids = _fallback_dead_rows(token_ids, best, raw)
         return SamplerOutput(token_ids.tolist(), compute_logprobs(raw, token_ids, params))
 
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> torch.Tensor:
@@ -173,10 +173,9 @@ def apply_min_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def _fallback_dead_rows(token_ids: torch.Tensor, processed: torch.Tensor,
-                        raw: torch.Tensor) -> torch.Tensor:
-    """Rows the masks emptied (e.g. min_tokens masked every token) take the raw argmax instead."""
-    dead = ~torch.isfinite(processed.max(dim=-1).values)
+def _fallback_dead_rows(token_ids: torch.Tensor, best: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """Rows the masks emptied (best logit -inf, e.g. min_tokens masked every token) take the raw argmax."""
+    dead = ~torch.isfinite(best)  # [R]
     if dead.any():
         token_ids = torch.where(dead, raw.argmax(dim=-1), token_ids)
     return token_ids
