@@ -9,7 +9,7 @@ from typing import Protocol
 
 from cobatch.config import EngineConfig, SchedulerConfig
 from cobatch.cost_model import StepTimeModel
-from cobatch.request import Request, RequestDelta
+from cobatch.request import Request, RequestDelta, RequestStatus
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler import Scheduler
 from cobatch.scheduler_output import RunnerOutput, SchedulerOutput
@@ -125,6 +125,13 @@ class Engine:
             if delta is not None:
                 deltas.append(delta)
         return deltas
+
+    def stop_sequence(self, seq_id: str, stop_reason: str) -> RequestDelta | None:
+        """Finish one sequence with "stop" (the caller found a stop string in its text)."""
+        delta = self.scheduler.abort_request(seq_id, RequestStatus.FINISHED_STOPPED, stop_reason)
+        if delta is not None:
+            self._forget_finished([delta])
+        return delta
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

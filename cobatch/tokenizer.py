@@ -138,6 +138,7 @@ class StopChecker:
         self.include_stop_str_in_output = include_stop_str_in_output
         self.held = ""  # the text's tail that might grow into a stop string
         self.stopped = False
+        self.hit: str | None = None  # the stop string found (the OpenAI/vLLM stop_reason)
 
     def process(self, delta: str) -> tuple[str, bool]:
         """Feed newly detokenized text; returns (emit, stopped)."""
@@ -149,7 +150,7 @@ class StopChecker:
         hit = self._first_hit(text)
         if hit is not None:
             index, stop = hit
-            self.held, self.stopped = "", True
+            self.held, self.stopped, self.hit = "", True, stop
             return text[:index + len(stop) if self.include_stop_str_in_output else index], True
         keep = self._partial_tail_length(text)
         self.held = text[len(text) - keep:] if keep else ""

@@ -1,0 +1,168 @@
+"""Offline facade in vLLM's shape: `LLM(...).generate(prompts, params)` and `.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from cobatch.config import EngineConfig
+from cobatch.engine import Engine
+from cobatch.request import RequestDelta, RequestMetrics
+from cobatch.sampling_params import SamplingParams
+from cobatch.scheduler_output import TokenLogprobs
+from cobatch.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+PromptType = str | dict[str, list[int]]
+Message = dict[str, str]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of a request's n samples."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The result of one prompt: its n completions and the request's timings."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics | None = None
+    finished: bool = False
+
+
+class TextStream:
+    """One sequence's text: incremental detokenization, then stop strings (partial matches held)."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+
+    def add(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
+        """New text to emit, and the stop string that ended it (None while going on)."""
+        text, stopped = self.stop_checker.process(self.detokenizer.step(token_ids))
+        return text, self.stop_checker.hit if stopped else None
+
+    def flush(self) -> str:
+        """At the end: text held back for a multi-byte character or a partial stop string."""
+        text, stopped = self.stop_checker.process(self.detokenizer.flush())
+        return text if stopped else text + self.stop_checker.flush()
+
+
+class LLM:
+    """Load a model and generate for many prompts at once, continuously batched."""
+
+    def __init__(self, model: str | None = None, **engine_options: object) -> None:
+        self.config = EngineConfig(model=model, **engine_options)  # type: ignore[arg-type]
+        self.engine = Engine.from_config(self.config, stats_history=None)
+        self.tokenizer = Tokenizer.load(self.config.model)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or {"prompt_token_ids": [...]}); outputs in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        outputs = [self._add(p, sp, priority[i] if priority else 0)
+                   for i, (p, sp) in enumerate(zip(prompts, params))]
+        self._run(outputs, params, use_tqdm)
+        return outputs
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(list(c))}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def summary(self) -> str:
+        """Useful tokens/s and batch figures of everything generated so far."""
+        stats = list(self.engine.stats)
+        if not stats:
+            return "no steps run"
+        wall = stats[-1].start_time + stats[-1].duration_s - stats[0].start_time
+        generated = sum(s.num_generated_tokens for s in stats)
+        rows = sum(s.num_rows for s in stats) / len(stats)
+        return (f"{len(stats)} steps, {generated} tokens generated in {wall:.2f} s "
+                f"({generated / wall:.1f} tok/s), mean batch {rows:.1f} rows, "
+                f"{self.engine.scheduler.num_preemptions_total} preemptions")
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int) -> RequestOutput:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt["prompt_token_ids"])
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, token_ids, params, priority=priority)
+        outputs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
+                   for i in range(params.n)]
+        return RequestOutput(request_id, text, token_ids, outputs)
+
+    def _run(self, outputs: list[RequestOutput], params: list[SamplingParams], use_tqdm: bool) -> None:
+        by_id = {o.request_id: (o, sp) for o, sp in zip(outputs, params)}
+        streams = {(o.request_id, c.index): self._stream(sp)
+                   for o, sp in zip(outputs, params) for c in o.outputs}
+        bar = tqdm(total=len(outputs), desc="generate", disable=not use_tqdm or len(outputs) < 2)
+        remaining = sum(len(o.outputs) for o in outputs)
+        while remaining:
+            for delta in self.engine.step():
+                output, _ = by_id[delta.parent_id]
+                remaining -= self._apply(output, delta, streams[(delta.parent_id, delta.index)])
+                if output.finished:
+                    bar.update(1)
+        bar.close()
+
+    def _stream(self, params: SamplingParams) -> TextStream:
+        return TextStream(self.tokenizer, params)
+
+    def _apply(self, output: RequestOutput, delta: RequestDelta, stream: TextStream) -> int:
+        """Fold one delta into the output; returns 1 when that sequence has just finished."""
+        completion = output.outputs[delta.index]
+        if completion.finish_reason is not None:
+            return 0  # already closed by a stop string
+        completion.token_ids.extend(delta.new_token_ids)
+        if completion.logprobs is not None:
+            completion.logprobs.extend(delta.new_logprobs)
+        text, stop = stream.add(delta.new_token_ids)
+        completion.text += text
+        if stop is not None and not delta.finished:
+            self.engine.stop_sequence(delta.request_id, stop)
+            completion.finish_reason, completion.stop_reason = "stop", stop
+        elif delta.finished:
+            completion.text += stream.flush() if stop is None else ""
+            completion.finish_reason = "stop" if stop is not None else delta.finish_reason
+            completion.stop_reason = stop if stop is not None else delta.stop_reason
+            output.metrics = delta.metrics
+        else:
+            return 0
+        output.finished = all(c.finish_reason is not None for c in output.outputs)
+        return 1
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+                n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return list(params)

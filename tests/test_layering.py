@@ -1,0 +1,86 @@
+"""The import boundaries of DESIGN.md §4, checked by parsing every module's imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "cobatch"
+
+CORE = {"cobatch.request", "cobatch.block_manager", "cobatch.scheduler", "cobatch.cost_model",
+        "cobatch.slo"}
+CONTRACTS = {"cobatch.config", "cobatch.sampling_params", "cobatch.scheduler_output"}
+
+# module (or package prefix) -> imports it must not make (a prefix forbids the whole package)
+FORBIDDEN: dict[str, set[str]] = {
+    "cobatch.config": {"torch", "cobatch"},
+    "cobatch.sampling_params": {"torch", "cobatch"},
+    "cobatch.scheduler_output": {"torch", "numpy", "cobatch.scheduler", "cobatch.engine",
+                                 "cobatch.runner", "cobatch.models", "cobatch.server"},
+    **{m: {"torch", "numpy", "cobatch.runner", "cobatch.models", "cobatch.server",
+           "cobatch.engine", "cobatch.llm", "cobatch.async_engine"} for m in CORE},
+    "cobatch.runner": {"cobatch.scheduler", "cobatch.block_manager", "cobatch.engine",
+                       "cobatch.server", "cobatch.request"},
+    "cobatch.models": {"cobatch.scheduler", "cobatch.block_manager", "cobatch.engine",
+                       "cobatch.server", "cobatch.request"},
+    "cobatch.engine": {"cobatch.server"},
+    "cobatch.llm": {"cobatch.server"},
+    "cobatch.async_engine": {"cobatch.server"},
+    "cobatch.server": {"cobatch.scheduler", "cobatch.runner", "cobatch.block_manager",
+                       "cobatch.models.llama", "cobatch.models.attention", "cobatch.models.loader",
+                       "cobatch.engine", "torch"},
+    "cobatch.bench.serve": {"cobatch.engine", "cobatch.scheduler", "cobatch.runner", "torch"},
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module named by an import statement, anywhere in the file (lazy imports count)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def rules_for(module: str) -> set[str]:
+    rules: set[str] = set()
+    for key, forbidden in FORBIDDEN.items():
+        if module == key or module.startswith(key + "."):
+            rules |= forbidden
+    return rules
+
+
+def violates(name: str, forbidden: str) -> bool:
+    return name == forbidden or name.startswith(forbidden + ".")
+
+
+MODULES = sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_import_boundaries(path: Path) -> None:
+    module = module_name(path)
+    forbidden = rules_for(module)
+    # The contract types are everyone's; the core modules may import each other.
+    allowed = CONTRACTS | (CORE if module in CORE else set()) | {module}
+    bad = sorted({name for name in imports_of(path) for f in forbidden
+                  if violates(name, f) and name not in allowed})
+    assert not bad, f"{module} imports {bad}, which DESIGN.md §4 forbids"
+
+
+def test_the_scheduling_core_is_checked() -> None:
+    names = {module_name(p) for p in MODULES}
+    assert CORE <= names and "cobatch.engine" in names
