@@ -67,9 +67,11 @@ class StepTimeModel:
         """Solve the normal equations; coefficients are clamped non-negative (time never shrinks)."""
         if self._xtx is None or self._xty is None:
             return self.coefficients
-        scale = max(self._xtx[i][i] for i in range(NUM_FEATURES)) or 1.0
-        matrix = [[v + (self.ridge * scale if i == j else 0.0) for j, v in enumerate(row)]
-                  for i, row in enumerate(self._xtx)]
+        # The ridge is relative to each feature's own scale: context tokens are ~1e3x the row count,
+        # so one shared ridge sized by the largest feature would shrink the constant and per-row terms.
+        top = max(self._xtx[i][i] for i in range(NUM_FEATURES)) or 1.0
+        matrix = [[v + (self.ridge * (self._xtx[i][i] or top) if i == j else 0.0)
+                   for j, v in enumerate(row)] for i, row in enumerate(self._xtx)]
         self.coefficients = tuple(max(c, 0.0) for c in solve(matrix, self._xty))
         self._dirty = False
         return self.coefficients

@@ -16,6 +16,7 @@ from cobatch.block_manager import BlockManager
 from cobatch.config import SchedulerConfig
 from cobatch.request import Request, RequestDelta, RequestStatus
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput, TokenLogprobs
+from cobatch.slo import SloStepBudget
 
 # Predicts a step's seconds from (rows, batched tokens, context tokens): the SLO-bounded batch cap.
 StepTimePredictor = Callable[[int, int, int], float]
@@ -32,6 +33,7 @@ class _StepPlan:
     num_preempted: int = 0
     num_context_tokens: int = 0
     scheduled: set[str] = field(default_factory=set)  # request ids with a row this step
+    slo: SloStepBudget | None = None  # set when a TPOT SLO bounds the batch
 
 
 class Scheduler:
@@ -73,7 +75,8 @@ class Scheduler:
         if request.is_finished:  # a static-batching padding row: just drop it
             self._release(request)
             return None
-        return self._finish(request, RequestStatus.FINISHED_ABORTED, time.monotonic())
+        request.stop_reason = stop_reason
+        return self._finish(request, status, time.monotonic())
 
     @property
     def num_unfinished(self) -> int:
@@ -89,6 +92,7 @@ class Scheduler:
         plan = _StepPlan(self.config.max_num_batched_tokens, [], [], [])
         if self.config.batching == "static":
             self._end_static_batch_if_done()
+        plan.slo = self._slo_budget()
         self._schedule_running(plan)
         # A step that had to preempt is short of memory: admitting now would only thrash.
         if plan.num_preempted == 0:
@@ -112,7 +116,9 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
-            if num_new <= 0:  # admitted without budget earlier in a static batch
+            if num_new > 1 and plan.slo is not None:  # a prefill chunk: only the SLO's slack
+                num_new = plan.slo.running_chunk(num_new)
+            if num_new <= 0:  # admitted without budget earlier in a static batch, or no SLO slack
                 i += 1
                 continue
             if self._allocate_or_preempt(plan, request, num_new):
@@ -197,9 +203,12 @@ class Scheduler:
         if not self.config.enable_chunked_prefill and num_new > plan.budget:
             return False
         num_new = min(num_new, plan.budget)
-        if self._would_break_slo(plan, request, num_new):
-            self.num_slo_capped_steps += 1
-            return False
+        if plan.slo is not None:
+            num_new = plan.slo.admission_chunk(request, num_cached, num_new,
+                                               self.config.enable_chunked_prefill)
+            if num_new == 0:
+                self.num_slo_capped_steps += 1
+                return False
         request.num_computed_tokens = num_cached
         if not bm.allocate_slots(request, num_new, cached, use_watermark=True):
             request.num_computed_tokens = 0
@@ -213,14 +222,10 @@ class Scheduler:
         self._add_row(plan, request, num_new)
         return True
 
-    def _would_break_slo(self, plan: _StepPlan, request: Request, num_new: int) -> bool:
-        slo_ms = self.config.tpot_slo_ms
-        if slo_ms is None or self.step_time_predictor is None or not plan.rows:
-            return False  # one row always runs, or nothing would ever make progress
-        num_rows = len(plan.rows) + 1
-        num_tokens = self.config.max_num_batched_tokens - plan.budget + num_new
-        num_context = plan.num_context_tokens + request.num_tokens
-        return self.step_time_predictor(num_rows, num_tokens, num_context) * 1000.0 > slo_ms
+    def _slo_budget(self) -> SloStepBudget | None:
+        if self.config.tpot_slo_ms is None or self.step_time_predictor is None:
+            return None
+        return SloStepBudget(self.step_time_predictor, self.config.tpot_slo_ms, self.running)
 
     def _add_row(self, plan: _StepPlan, request: Request, num_new: int) -> None:
         end = request.num_computed_tokens + num_new
