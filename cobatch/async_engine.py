@@ -1,0 +1,484 @@
+"""AsyncEngine: one engine thread owns the Engine; the event loop talks to it through an inbox.
+
+    event loop (HTTP handlers)                 engine thread (owns Engine, scheduler, runner)
+    add / abort / stop / drain  --inbox-->     drain inbox -> engine.step() -> publish
+    RequestStream (asyncio.Queue) <--call_soon_threadsafe-- deltas, StepStats, snapshot
+
+Everything the loop reads (streams, snapshot, counters) is written on the loop; everything the engine
+owns is touched only by the engine thread. No locks: the inbox and call_soon_threadsafe are the only
+crossings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from cobatch.config import EngineConfig
+from cobatch.engine import Engine, StepStats
+from cobatch.metrics import EngineMetrics
+from cobatch.request import RequestDelta
+from cobatch.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 1.0  # an idle engine thread wakes this often (only to notice a stop)
+
+
+class EngineState(enum.Enum):
+    """Lifecycle: STARTING -> READY -> DRAINING -> STOPPED, or DEAD from any of them."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    DEAD = "dead"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread died (or failed to load): no request can be served any more."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed (its step raised in the runner); the engine goes on."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """Static facts about the loaded engine, published once when it is ready."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_concurrency: float
+    vocab_size: int | None
+    dtype: str
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """A few counters read by the engine thread after each loop turn: for /metrics and 429s."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # sequences
+    num_waiting_requests: int = 0  # distinct requests among them (the queue bound counts these)
+    num_swapped: int = 0
+    num_kv_blocks_used: int = 0
+    kv_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_steps: int = 0
+    num_adds_processed: int = 0
+
+
+# ---- inbox commands -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _StopSequence:
+    seq_id: str
+    stop_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Fault:
+    kind: str  # "step_error" | "stall" | "engine_death"
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Shutdown:
+    pass
+
+
+_Command = _Add | _Abort | _StopSequence | _Fault | _Shutdown
+FAULT_KINDS = ("step_error", "stall", "engine_death")
+
+
+@dataclass(slots=True)
+class _Published:
+    """What one engine-loop turn hands to the event loop."""
+
+    deltas: list[RequestDelta]
+    rejected: list[tuple[str, str]]  # (request id, why): adds the engine refused
+    stats: StepStats | None
+    snapshot: EngineSnapshot
+    time: float
+
+
+# ---- per-request stream ---------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class RequestStream:
+    """The deltas of one request (all its n sequences), read on the event loop."""
+
+    request_id: str
+    num_seqs: int
+    queue: asyncio.Queue[RequestDelta | BaseException] = field(default_factory=asyncio.Queue)
+    num_unfinished: int = 0
+    last_token_time: dict[str, float] = field(default_factory=dict)  # seq id -> for ITL
+
+    def __post_init__(self) -> None:
+        self.num_unfinished = self.num_seqs
+
+    @property
+    def is_finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        """Deltas until every sequence finished; raises EngineDeadError / RequestFailedError."""
+        num_open = self.num_seqs
+        while num_open:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            num_open -= item.finished
+            yield item
+
+
+# ---- the engine --------------------------------------------------------------------------------------
+
+class AsyncEngine:
+    """Runs an Engine on its own thread and serves per-request async streams to the event loop."""
+
+    def __init__(self, engine_factory: Callable[[], Engine], metrics: EngineMetrics | None = None,
+                 watchdog_timeout_s: float = 60.0,
+                 on_dead: Callable[[str], None] | None = None,
+                 on_ready: Callable[[EngineInfo], None] | None = None) -> None:
+        self._factory = engine_factory
+        self.metrics = metrics
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self._on_dead = on_dead
+        self._on_ready = on_ready
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # Written by the engine thread, read by the loop: single attribute stores, no lock needed.
+        self._engine: Engine | None = None
+        self._busy_since: float | None = None  # start of the step in progress (watchdog)
+        self._thread_state = EngineState.STARTING
+        # Loop-side state.
+        self.state = EngineState.STARTING
+        self.info: EngineInfo | None = None
+        self.dead_reason: str | None = None
+        self.snapshot = EngineSnapshot()
+        self._streams: dict[str, RequestStream] = {}
+        self._num_adds_sent = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: object) -> AsyncEngine:
+        """An AsyncEngine whose thread loads the model described by `config` when started."""
+        return cls(lambda: Engine.from_config(config), **kwargs)  # type: ignore[arg-type]
+
+    # ---- lifecycle (event loop) ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (call from the running event loop); it loads the engine first."""
+        assert self._thread is None, "already started"
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._thread_main, name="cobatch-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == EngineState.READY
+
+    @property
+    def is_accepting(self) -> bool:
+        """New requests are admitted only while READY (not starting, draining, stopped or dead)."""
+        return self.state == EngineState.READY
+
+    @property
+    def is_stalled(self) -> bool:
+        """The watchdog: a step has been in progress for longer than the threshold."""
+        busy_since = self._busy_since
+        return busy_since is not None and time.monotonic() - busy_since > self.watchdog_timeout_s
+
+    @property
+    def is_healthy(self) -> bool:
+        """Alive and making progress (what /health reports)."""
+        return self.state in (EngineState.READY, EngineState.DRAINING) and not self.is_stalled
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_queued_requests(self) -> int:
+        """Requests waiting for a seat: engine's waiting queue plus adds it has not seen yet."""
+        unseen = self._num_adds_sent - self.snapshot.num_adds_processed
+        return self.snapshot.num_waiting_requests + max(0, unseen)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop admission, let live requests finish within `timeout_s`, abort the rest."""
+        if self.state == EngineState.READY:
+            self.state = EngineState.DRAINING
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline and self.state == EngineState.DRAINING:
+            await asyncio.sleep(0.05)
+        leftover = list(self._streams)
+        for request_id in leftover:
+            self.abort(request_id)
+        # Aborts finish within one engine turn; give streams a moment to deliver "abort".
+        grace_end = time.monotonic() + 5.0
+        while self._streams and time.monotonic() < grace_end and self.state != EngineState.DEAD:
+            await asyncio.sleep(0.02)
+        return len(leftover)
+
+    async def shutdown(self, join_timeout_s: float = 5.0) -> None:
+        """Stop the engine thread (after drain); live streams, if any, fail."""
+        if self.state != EngineState.DEAD:
+            self.state = EngineState.STOPPED
+        self._inbox.put(_Shutdown())
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, join_timeout_s)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    # ---- requests (event loop) -------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request fits the model (ValueError if not); reads only immutable engine config."""
+        engine = self._engine
+        if engine is None:
+            raise EngineDeadError("the engine is not ready")
+        return engine.validate(prompt_token_ids, params)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            priority: int = 0) -> RequestStream:
+        """Submit a request; it joins the batch at the engine's next step."""
+        if self.state == EngineState.DEAD:
+            raise EngineDeadError(self.dead_reason or "the engine is dead")
+        assert request_id not in self._streams, f"duplicate request id {request_id}"
+        stream = RequestStream(request_id, params.n)
+        self._streams[request_id] = stream
+        self._num_adds_sent += 1
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority, time.monotonic()))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if it is still live (client gone, drain timeout); no-op otherwise."""
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.is_finished:
+            self._inbox.put(_Abort(request_id))
+
+    def stop_sequence(self, seq_id: str, stop_reason: str) -> None:
+        """Finish one sequence with "stop" (the server found a stop string in its text)."""
+        self._inbox.put(_StopSequence(seq_id, stop_reason))
+
+    def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
+        """Test-only: make the next step fail, stall for `seconds`, or kill the engine thread."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {kind!r}")
+        self._inbox.put(_Fault(kind, seconds))
+
+    # ---- event-loop side of publishing -----------------------------------------------------------
+
+    def _dispatch(self, published: _Published) -> None:
+        self.snapshot = published.snapshot
+        if self.metrics is not None:
+            self._record_metrics(published)
+        for request_id, reason in published.rejected:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.queue.put_nowait(RequestFailedError(reason))
+        for delta in published.deltas:
+            self._route(delta, published.time)
+
+    def _route(self, delta: RequestDelta, now: float) -> None:
+        stream = self._streams.get(delta.parent_id)
+        if stream is None:
+            return  # its stream is gone (already failed); nothing to deliver
+        if self.metrics is not None and delta.new_token_ids:
+            last = stream.last_token_time.get(delta.request_id)
+            if last is not None:
+                self.metrics.record_inter_token_latency(now - last)
+            stream.last_token_time[delta.request_id] = now
+        if delta.finished:
+            stream.num_unfinished -= 1
+            if self.metrics is not None:
+                self.metrics.record_finished(delta)
+        if delta.error is not None:
+            # One failed sequence fails the request; its siblings (n > 1) must not run on.
+            stream.num_unfinished = 0
+            self._streams.pop(delta.parent_id, None)
+            self._inbox.put(_Abort(delta.parent_id))
+            stream.queue.put_nowait(RequestFailedError(delta.error))
+            return
+        if stream.is_finished:
+            self._streams.pop(delta.parent_id, None)
+        stream.queue.put_nowait(delta)
+
+    def _record_metrics(self, published: _Published) -> None:
+        assert self.metrics is not None
+        snap = published.snapshot
+        self.metrics.set_engine_state(snap.num_running, snap.num_waiting, snap.num_swapped,
+                                      snap.kv_usage, snap.prefix_cache_hit_rate)
+        if published.stats is not None:
+            self.metrics.record_step(published.stats)
+
+    def _on_thread_ready(self, info: EngineInfo) -> None:
+        self.info = info
+        if self.state == EngineState.STARTING:
+            self.state = EngineState.READY
+        if self._on_ready is not None:
+            self._on_ready(info)
+
+    def _on_thread_dead(self, reason: str) -> None:
+        self.state = EngineState.DEAD
+        self.dead_reason = reason
+        self._fail_all(EngineDeadError(reason))
+        if self._on_dead is not None:
+            self._on_dead(reason)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.queue.put_nowait(error)
+
+    def _call_loop(self, callback: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: the process is exiting anyway
+            pass
+
+    # ---- engine thread ---------------------------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        try:
+            engine = self._factory()
+        except BaseException as exc:  # noqa: BLE001 - any load failure makes the server unusable
+            logger.exception("the engine failed to start")
+            self._call_loop(self._on_thread_dead, f"the engine failed to start: {exc}")
+            return
+        self._engine = engine
+        self._call_loop(self._on_thread_ready, _info_of(engine))
+        try:
+            self._loop_forever(engine)
+        except BaseException as exc:  # noqa: BLE001 - a bug in the engine kills the loop for good
+            self._busy_since = None
+            logger.exception("the engine loop died")
+            self._call_loop(self._on_thread_dead, f"the engine loop died: {type(exc).__name__}: {exc}")
+
+    def _loop_forever(self, engine: Engine) -> None:
+        num_adds = 0
+        while True:
+            commands = self._next_commands(block=not engine.has_unfinished_requests())
+            deltas: list[RequestDelta] = []
+            rejected: list[tuple[str, str]] = []
+            for command in commands:
+                if isinstance(command, _Shutdown):
+                    return
+                num_adds += isinstance(command, _Add)
+                self._apply(engine, command, deltas, rejected)
+            stats = self._step(engine, deltas) if engine.has_unfinished_requests() else None
+            if commands or stats is not None:
+                self._call_loop(self._dispatch, _Published(
+                    deltas, rejected, stats, _snapshot_of(engine, num_adds), time.monotonic()))
+
+    def _next_commands(self, block: bool) -> list[_Command]:
+        commands: list[_Command] = []
+        if block:
+            try:
+                commands.append(self._inbox.get(timeout=_IDLE_POLL_S))
+            except queue.Empty:
+                return commands
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, engine: Engine, command: _Command, deltas: list[RequestDelta],
+               rejected: list[tuple[str, str]]) -> None:
+        if isinstance(command, _Add):
+            try:
+                engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                   command.priority, command.arrival_time)
+            except ValueError as exc:  # validated on the loop already; a race or a duplicate id
+                rejected.append((command.request_id, str(exc)))
+        elif isinstance(command, _Abort):
+            deltas.extend(engine.abort_request(command.request_id))
+        elif isinstance(command, _StopSequence):
+            delta = engine.stop_sequence(command.seq_id, command.stop_reason)
+            if delta is not None:
+                deltas.append(delta)
+        elif isinstance(command, _Fault):
+            _install_fault(engine, command)
+
+    def _step(self, engine: Engine, deltas: list[RequestDelta]) -> StepStats | None:
+        num_steps = engine.num_steps
+        self._busy_since = time.monotonic()
+        deltas.extend(engine.step())
+        self._busy_since = None
+        return engine.stats[-1] if engine.num_steps > num_steps and engine.stats else None
+
+
+def _snapshot_of(engine: Engine, num_adds: int) -> EngineSnapshot:
+    sched = engine.scheduler
+    bm = sched.block_manager
+    return EngineSnapshot(
+        num_running=len(sched.running), num_waiting=len(sched.waiting),
+        num_waiting_requests=len({r.parent_id for r in sched.waiting}),
+        num_swapped=len(sched.swapped), num_kv_blocks_used=bm.num_used_blocks, kv_usage=bm.usage,
+        num_preemptions_total=sched.num_preemptions_total,
+        prefix_cache_hit_rate=bm.prefix_cache_hit_rate, num_steps=engine.num_steps,
+        num_adds_processed=num_adds)
+
+
+def _info_of(engine: Engine) -> EngineInfo:
+    runner = engine.runner
+    model_config = getattr(runner, "model_config", None)
+    return EngineInfo(
+        max_model_len=engine.max_model_len, num_kv_blocks=engine.config.num_kv_blocks,
+        block_size=engine.config.block_size, max_num_seqs=engine.config.max_num_seqs,
+        max_concurrency=engine.config.max_concurrency,
+        vocab_size=getattr(model_config, "vocab_size", None),
+        dtype=str(getattr(runner, "dtype", "unknown")).removeprefix("torch."),
+        eos_token_ids=tuple(runner.eos_token_ids))
+
+
+class _EngineDeathInjected(Exception):
+    """Raised by the engine_death fault: escapes the engine loop like a bug in the engine would."""
+
+
+def _install_fault(engine: Engine, fault: _Fault) -> None:
+    """Test-only faults, applied on the engine thread: a one-shot runner hook, or a death now."""
+    if fault.kind == "engine_death":
+        raise _EngineDeathInjected("injected fault: the engine loop dies")
+    runner = engine.runner
+    previous = getattr(runner, "fault_hook", None)
+
+    def hook(output: object) -> None:
+        runner.fault_hook = previous  # type: ignore[attr-defined]
+        if fault.kind == "stall":
+            time.sleep(fault.seconds)
+        else:
+            raise RuntimeError("injected fault: this step fails")
+
+    runner.fault_hook = hook  # type: ignore[attr-defined]

@@ -1,0 +1,190 @@
+"""`cobatch serve`: flags in vllm-serve's shape, the start-up banner, SIGTERM drain, exit codes.
+
+Exit codes: 0 after a graceful shutdown, 1 when the engine died (so a supervisor restarts it),
+2 for bad arguments. Heavy imports (uvicorn, fastapi, the tokenizer) wait until run_serve, so
+`cobatch --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cobatch.config import EngineConfig
+
+if TYPE_CHECKING:
+    from cobatch.async_engine import EngineInfo
+    from cobatch.server.draining_server import DrainingServer
+    from cobatch.server.settings import ServerSettings
+
+logger = logging.getLogger("cobatch.server")
+
+_DEATH_EXIT_DELAY_S = 2.0  # after the engine dies: time to answer 503s and fail streams cleanly
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `serve`'s flags (vLLM's names) to `parser`."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="the same as the positional MODEL")
+    _add_http_arguments(parser)
+    _add_engine_arguments(parser)
+
+
+def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8000)
+    add("--served-model-name", default=None, help="the model name clients use (default: from MODEL)")
+    add("--api-key", default=os.environ.get("COBATCH_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $COBATCH_API_KEY)")
+    add("--max-queued-requests", type=int, default=None,
+        help="answer 429 + Retry-After while this many requests wait (default: unbounded)")
+    add("--shutdown-timeout", type=float, default=30.0,
+        help="seconds SIGTERM waits for in-flight requests before aborting them")
+    add("--watchdog-timeout", type=float, default=60.0,
+        help="/health turns 503 when one step runs longer than this many seconds")
+    add("--max-body-mb", type=float, default=8.0, help="request-body limit (413 above it)")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add("--enable-fault-injection", action="store_true",
+        help="test-only: POST /debug/fault makes the engine fail, stall or die")
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add("--device", default="auto")
+    add("--max-num-seqs", type=int, default=64)
+    add("--max-num-batched-tokens", type=int, default=None)
+    add("--block-size", type=int, default=16)
+    add("--num-kv-blocks", type=int, default=None)
+    add("--kv-cache-memory-gb", type=float, default=None)
+    add("--swap-space", type=float, default=1.0, help="GiB of host memory for swapped KV blocks")
+    add("--max-model-len", type=int, default=None)
+    add("--batching", default="continuous", choices=["continuous", "static"])
+    add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    add("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    add("--tpot-slo-ms", type=float, default=None)
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    add("--seed", type=int, default=0)
+    add("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the parsed flags (ValueError on bad values)."""
+    return EngineConfig(
+        model=args.model_tag or args.model, dtype=args.dtype, device=args.device,
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb, swap_space=args.swap_space,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, batching=args.batching,
+        scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching, tpot_slo_ms=args.tpot_slo_ms,
+        seed=args.seed, num_threads=args.num_threads)
+
+
+def _default_served_name(model: str | None) -> str:
+    from cobatch.models.paths import resolve_model_path
+
+    path = resolve_model_path(model)
+    return path.stem if path.is_file() else Path(path).name
+
+
+@dataclass(slots=True)
+class _ExitState:
+    """How the process ends: set by the death callback, read after uvicorn returns."""
+
+    code: int = 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0 after draining) or engine death (exit 1)."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config_from_args(args)
+        served_name = args.served_model_name or _default_served_name(config.model)
+        settings = _settings(args, config, served_name)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"cobatch serve: error: {exc}", file=sys.stderr)
+        return 2
+    return _serve(args, config, settings)
+
+
+def _settings(args: argparse.Namespace, config: EngineConfig, served_name: str) -> ServerSettings:
+    from cobatch.server.settings import ServerSettings
+
+    return ServerSettings(
+        served_model_name=served_name, model_path=config.model, api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        enable_fault_injection=args.enable_fault_injection)
+
+
+def _serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSettings) -> int:
+    import uvicorn
+
+    from cobatch.async_engine import AsyncEngine
+    from cobatch.metrics import EngineMetrics
+    from cobatch.server.app import create_app
+    from cobatch.server.draining_server import DrainingServer
+    from cobatch.tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.load(config.model)
+    except (OSError, ValueError) as exc:
+        print(f"cobatch serve: error: cannot load the tokenizer: {exc}", file=sys.stderr)
+        return 2
+    exit_state = _ExitState()
+    holder: dict[str, DrainingServer] = {}  # the server exists only after the engine callbacks are built
+    name = settings.served_model_name
+    url = f"http://{args.host}:{args.port}/v1"
+    async_engine = AsyncEngine.from_config(
+        config, metrics=EngineMetrics(name), watchdog_timeout_s=args.watchdog_timeout,
+        on_ready=lambda info: _banner(name, info, url, settings),
+        on_dead=lambda reason: _on_dead(reason, exit_state, holder["server"]))
+    app = create_app(async_engine, tokenizer, settings)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+                                    access_log=False, lifespan="on",
+                                    timeout_graceful_shutdown=5),
+                     async_engine, args.shutdown_timeout)
+    holder["server"] = server
+    logger.info("cobatch: loading %s ...", name)
+    server.run()
+    if not server.started and exit_state.code == 0:
+        return 1  # could not bind the port, or the lifespan failed
+    return exit_state.code
+
+
+def _banner(name: str, info: EngineInfo, url: str, settings: ServerSettings) -> None:
+    key = "required" if settings.api_key else "off"
+    logger.info(
+        "cobatch ready: model %s, dtype %s, KV cache %d blocks x %d tokens (%d tokens), max "
+        "concurrency %.2f sequences of %d tokens, max_num_seqs %d, API key %s -- serving at %s",
+        name, info.dtype, info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size,
+        info.max_concurrency, info.max_model_len, info.max_num_seqs, key, url)
+
+
+def _on_dead(reason: str, exit_state: _ExitState, server: DrainingServer) -> None:
+    logger.error("engine dead (%s): exiting in %.0f s with status 1", reason, _DEATH_EXIT_DELAY_S)
+    exit_state.code = 1
+    asyncio.get_running_loop().call_later(_DEATH_EXIT_DELAY_S, server.exit_now)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cobatch.server.cli [MODEL] [flags]`: the same as `cobatch serve`."""
+    parser = argparse.ArgumentParser(prog="cobatch serve", description=__doc__)
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

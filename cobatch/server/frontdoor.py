@@ -1,0 +1,169 @@
+"""The front door shared by every generation endpoint: state, model name, inputs, queue bound, submit.
+
+Every check happens before a response starts, so a streaming request gets a real status code too.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+from cobatch.async_engine import AsyncEngine, EngineDeadError, EngineState, RequestStream
+from cobatch.sampling_params import SamplingParams
+from cobatch.server.errors import APIError, bad_request
+from cobatch.server.generation import GenerationTracker
+from cobatch.server.protocol import MAX_STOP_STRINGS, _SamplingRequest
+from cobatch.server.settings import ServerSettings
+from cobatch.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_LOG_FIELD_MAX = 120
+
+
+def escape_for_log(value: object, limit: int = _LOG_FIELD_MAX) -> str:
+    """A client-supplied value made safe for one log line: control characters escaped, truncated."""
+    text = str(value)
+    escaped = text.encode("unicode_escape", errors="backslashreplace").decode("ascii")
+    return escaped if len(escaped) <= limit else escaped[:limit] + "..."
+
+
+@dataclass(slots=True)
+class Submission:
+    """An admitted request: its id, its output stream and the tracker that turns deltas into text."""
+
+    request_id: str
+    stream: RequestStream
+    tracker: GenerationTracker
+
+
+@dataclass(slots=True)
+class ServingContext:
+    """What the handlers share: the engine, the tokenizer, the settings, a token-text cache."""
+
+    async_engine: AsyncEngine
+    tokenizer: Tokenizer
+    settings: ServerSettings
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    # ---- checks -----------------------------------------------------------------------------------
+
+    def check_available(self) -> None:
+        """503 while the engine starts, drains, has stopped or died."""
+        state = self.async_engine.state
+        if state == EngineState.READY:
+            return
+        reason = {EngineState.STARTING: "the model is still loading",
+                  EngineState.DRAINING: "the server is shutting down",
+                  EngineState.STOPPED: "the server is shutting down",
+                  EngineState.DEAD: "the engine has failed; the server is restarting"}[state]
+        raise APIError(503, reason, code="service_unavailable", headers={"Retry-After": "5"})
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model name this server does not serve (None means the served one)."""
+        if model is not None and model != self.settings.served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{self.settings.served_model_name!r}", param="model",
+                           code="model_not_found")
+
+    @property
+    def vocab_size(self) -> int:
+        """Valid token ids are below this (the smaller of the model's and the tokenizer's)."""
+        info = self.async_engine.info
+        model_vocab = info.vocab_size if info is not None and info.vocab_size else None
+        return min(self.tokenizer.vocab_size, model_vocab or self.tokenizer.vocab_size)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """400 for token ids outside the vocabulary."""
+        vocab = self.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of the vocabulary [0, {vocab})", param)
+
+    def check_queue(self) -> None:
+        """429 + Retry-After when the waiting queue is at its bound."""
+        bound = self.settings.max_queued_requests
+        if bound is not None and self.async_engine.num_queued_requests >= bound:
+            raise APIError(429, f"the server is overloaded: {bound} requests are already waiting; "
+                           "retry later", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    # ---- building --------------------------------------------------------------------------------
+
+    def sampling_params(self, req: _SamplingRequest, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:
+        """SamplingParams from the request's fields; 400 on anything invalid."""
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
+        if any(not s for s in stop):
+            raise bad_request("stop strings must be non-empty", "stop")
+        stop_token_ids = list(req.stop_token_ids or [])
+        self.check_token_ids(stop_token_ids, "stop_token_ids")
+        try:
+            return SamplingParams(
+                n=req.n, temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0),
+                top_k=_or(req.top_k, 0), min_p=_or(req.min_p, 0.0),
+                presence_penalty=_or(req.presence_penalty, 0.0),
+                frequency_penalty=_or(req.frequency_penalty, 0.0),
+                repetition_penalty=_or(req.repetition_penalty, 1.0), seed=req.seed,
+                stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                logprobs=logprobs, logit_bias=self._logit_bias(req.logit_bias),
+                skip_special_tokens=req.skip_special_tokens)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        items = []
+        for key, value in (bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {escape_for_log(key)!r}",
+                                  "logit_bias") from None
+            self.check_token_ids([token_id], "logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise bad_request(f"logit_bias values must be in [-100, 100], got {value}",
+                                  "logit_bias")
+            items.append((token_id, value))
+        return tuple(items)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text (for logprobs), cached."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    # ---- submit ----------------------------------------------------------------------------------
+
+    def submit(self, prefix: str, prompt_token_ids: list[int], params: SamplingParams,
+               priority: int, user: str | None) -> Submission:
+        """Length check, queue bound, then hand the request to the engine (joins its next step)."""
+        self.check_available()
+        self.check_token_ids(prompt_token_ids, "prompt")
+        try:
+            self.async_engine.validate(prompt_token_ids, params)
+        except ValueError as exc:
+            raise bad_request(str(exc), "max_tokens" if prompt_token_ids else "prompt") from exc
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="service_unavailable") from exc
+        self.check_queue()
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            stream = self.async_engine.add(request_id, prompt_token_ids, params, priority)
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="service_unavailable") from exc
+        logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, user=%s", request_id,
+                    len(prompt_token_ids), params.n, params.max_tokens,
+                    escape_for_log(user) if user else "-")
+        tracker = GenerationTracker(self.async_engine, self.tokenizer, prompt_token_ids, params)
+        return Submission(request_id, stream, tracker)
+
+
+def _or(value: float | int | None, default: float | int) -> float | int:
+    return default if value is None else value

@@ -1,0 +1,301 @@
+"""The OpenAI API subset cobatch serves: request, response and stream-chunk shapes, and the error body.
+
+Requests forbid unknown fields (an unknown field may change behaviour: silently ignoring it would
+answer a different question) and non-finite numbers. Well-known fields that change nothing here
+(`user`, `store`, `metadata`, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_N = 32
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+
+class ErrorInfo(_Response):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    """Every non-2xx body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+
+# ---- shared request fields ---------------------------------------------------------------------------
+
+class StreamOptions(_Request):
+    """`stream_options`: a final usage chunk when include_usage."""
+
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields common to completions and chat completions (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    priority: int = Field(0, ge=_INT64_MIN, le=_INT64_MAX)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted and ignored: they change nothing about the answer.
+    user: str | None = Field(None, max_length=512)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+
+
+# ---- completions -------------------------------------------------------------------------------------
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+
+class CompletionLogprobs(_Response):
+    """Completions-shaped logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    """One choice of a completion (or of a completion stream chunk)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Usage(_Response):
+    """Token counts: prompt once, completion summed over the n choices."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(_Response):
+    """Non-stream /v1/completions answer; also the shape of each stream chunk (object differs)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# ---- chat completions --------------------------------------------------------------------------------
+
+class TextContentPart(_Request):
+    """A text part of a message's content (images and audio are not supported)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One message of a conversation."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = Field(None, max_length=256)
+
+    def text(self) -> str:
+        """The content as one string (text parts concatenated)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class TopLogprob(_Response):
+    """One alternative at a position (chat shape)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """The sampled token at a position and its top alternatives (chat shape)."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    """Chat-shaped logprobs."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(_Response):
+    """The generated message."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    """One choice of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    """Non-stream /v1/chat/completions answer."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(_Response):
+    """What a chat stream chunk adds to one choice (unset fields are left out, as OpenAI does)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(_Response):
+    """One choice in a chat stream chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    """One SSE chunk of a chat stream (choices empty in the final usage chunk)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ---- models, tokenize --------------------------------------------------------------------------------
+
+class ModelCard(_Response):
+    """One entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "cobatch"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(_Response):
+    """The token ids of a prompt."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
+class DetokenizeResponse(_Response):
+    """The text of some token ids."""
+
+    prompt: str
