@@ -1,0 +1,95 @@
+"""`cobatch bench offline`: useful generated tokens/s of the engine on a workload, static vs continuous.
+
+Every request arrives at once, uses ignore_eos and its own max_tokens, so the amount of useful work is
+fixed by the workload and tokens/s compares policies directly. `--compare` alternates static and
+continuous runs in one process (the machine is noisy: side-by-side ratios, not absolute numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import replace
+
+from cobatch.bench import timeline
+from cobatch.bench.common import (add_engine_arguments, add_workload_arguments, engine_config_from_args,
+                                  workload_from_args, write_json)
+from cobatch.bench.datasets import BenchRequest, output_length_cv
+from cobatch.bench.runs import EngineFactory, RunResult, run_workload, warm_up
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    add_workload_arguments(parser)
+    parser.add_argument("--batching", default="continuous", choices=["static", "continuous"])
+    parser.add_argument("--compare", action="store_true", help="run static and continuous, alternating")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per policy (alternating)")
+    parser.add_argument("--tpot-slo-ms", type=float, default=None)
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--plot", default=None, help="PNG of the metro timeline (default: none)")
+
+
+def tokenize_text_prompts(requests: list[BenchRequest], model: str | None) -> list[BenchRequest]:
+    """Text prompts (JSONL) become token ids with the model's tokenizer."""
+    if all(r.prompt_token_ids is not None for r in requests):
+        return requests
+    from cobatch.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(model)
+    return [r if r.prompt_token_ids is not None
+            else replace(r, prompt_token_ids=tuple(tokenizer.encode(r.prompt or "")))
+            for r in requests]
+
+
+def compare(factory: EngineFactory, requests: list[BenchRequest], max_num_seqs: int,
+            repeats: int = 1, label: str = "") -> dict:
+    """Static and continuous alternately, `repeats` each; the ratio of median useful tokens/s."""
+    runs: dict[str, list[RunResult]] = {"static": [], "continuous": []}
+    for _ in range(repeats):
+        for batching in ("static", "continuous"):
+            engine = factory.make(batching=batching, max_num_seqs=max_num_seqs)
+            runs[batching].append(run_workload(engine, requests, f"{batching} {label}".strip()))
+    median = {b: statistics.median(r.tokens_per_s for r in rs) for b, rs in runs.items()}
+    return {
+        "label": label, "max_num_seqs": max_num_seqs, "num_requests": len(requests),
+        "output_len_cv": output_length_cv(requests),
+        "static_tokens_per_s": median["static"], "continuous_tokens_per_s": median["continuous"],
+        "ratio": median["continuous"] / median["static"] if median["static"] else float("nan"),
+        "pair_ratios": [c.tokens_per_s / s.tokens_per_s
+                        for s, c in zip(runs["static"], runs["continuous"])],
+        "padding_share_static": timeline.padding_share(runs["static"][-1]),
+        "runs": [r.summary() for rs in runs.values() for r in rs],
+        "_last": (runs["static"][-1], runs["continuous"][-1]),  # for plots; dropped from JSON
+    }
+
+
+def print_run(result: RunResult) -> None:
+    print(f"{result.label:>24}: {result.num_output_tokens} tokens in {result.duration_s:.2f} s = "
+          f"{result.tokens_per_s:.1f} useful tok/s, {len(result.stats)} steps, "
+          f"mean running {result.mean_running:.1f}, preemptions {result.num_preemptions}")
+
+
+def main(args: argparse.Namespace) -> int:
+    config = engine_config_from_args(args)
+    requests = tokenize_text_prompts(workload_from_args(args), args.model)
+    print(f"workload: {len(requests)} requests, output-length CV {output_length_cv(requests):.2f}, "
+          f"max_num_seqs={config.max_num_seqs}")
+    factory = EngineFactory.load(config)
+    warm_up(factory)
+    if args.compare:
+        report = compare(factory, requests, config.max_num_seqs, args.repeats)
+        last = report.pop("_last")
+        for result in last:
+            print_run(result)
+        print(f"continuous / static useful tokens/s: {report['ratio']:.2f}x "
+              f"(pairs: {', '.join(f'{r:.2f}' for r in report['pair_ratios'])})")
+    else:
+        engine = factory.make(batching=args.batching, tpot_slo_ms=args.tpot_slo_ms)
+        result = run_workload(engine, requests)
+        print_run(result)
+        last, report = (result,), result.summary()
+    if args.output_json:
+        print(f"wrote {write_json(args.output_json, {'config': vars(args), 'result': report})}")
+    if args.plot:
+        print(f"wrote {timeline.plot_timeline(list(last), args.plot)}")
+    return 0

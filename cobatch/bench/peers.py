@@ -1,0 +1,127 @@
+"""Peer baselines in the same harness: HF transformers static `generate` and HF continuous batching.
+
+Same model weights (loaded by transformers from the same GGUF/folder), same dtype, same workload,
+greedy, ignore EOS, per-request output lengths; reported as ratios against cobatch measured in the same
+process. Optional extra: `pip install .[peers]` (accelerate). A peer that fails to run is reported as
+failed with its error, not hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from cobatch.bench.claims_sections import ClaimsContext, Section, _table
+from cobatch.bench.datasets import BenchRequest
+from cobatch.bench.runs import EngineFactory, run_workload
+
+
+def load_hf_model(model: str | None, dtype: object) -> object:
+    """The HF reference model on the same weights (GGUF via transformers' gguf_file)."""
+    from transformers import AutoModelForCausalLM
+
+    from cobatch.models.paths import is_gguf, resolve_model_path
+
+    path = resolve_model_path(model)
+    if is_gguf(path):
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return hf.eval()
+
+
+def hf_static(hf: object, requests: list[BenchRequest], batch_size: int) -> float:
+    """Useful tokens/s of left-padded batches that each run to their longest member."""
+    import torch
+
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i:i + batch_size]
+        width = max(len(r.prompt_token_ids or ()) for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, r in enumerate(batch):
+            prompt = torch.tensor(r.prompt_token_ids or ())
+            ids[row, width - len(prompt):] = prompt
+            mask[row, width - len(prompt):] = 1
+        longest = max(r.max_tokens for r in batch)
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
+                        min_new_tokens=longest, do_sample=False, pad_token_id=0)
+    return sum(r.max_tokens for r in requests) / (time.perf_counter() - start)
+
+
+def hf_continuous(hf: object, requests: list[BenchRequest], max_num_seqs: int) -> float:
+    """Useful tokens/s of transformers' continuous batching manager (per-request max_new_tokens)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=max(r.max_tokens
+                                                                                      for r in requests))
+    cb = ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs, block_size=16, num_blocks=2048)
+    manager = hf.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
+    manager.start()
+    start = time.perf_counter()
+    try:
+        ids = [manager.add_request(list(r.prompt_token_ids or ()), max_new_tokens=r.max_tokens)
+               for r in requests]
+        generated = 0
+        for request_id in ids:
+            result = manager.get_result(request_id=request_id, timeout=600)
+            generated += len(result.generated_tokens) if result is not None else 0
+    finally:
+        manager.stop(block=True)
+    return generated / (time.perf_counter() - start)
+
+
+def measure(factory: EngineFactory, requests: list[BenchRequest], max_num_seqs: int,
+            model: str | None) -> list[dict]:
+    """cobatch (continuous, static) and the HF peers on one workload, in this process."""
+    rows = []
+    for batching in ("continuous", "static"):
+        result = run_workload(factory.make(batching=batching, max_num_seqs=max_num_seqs), requests)
+        rows.append({"system": f"cobatch {batching}", "tokens_per_s": result.tokens_per_s})
+    hf = load_hf_model(model, getattr(factory.runner, "dtype", None))
+    for name, fn in (("HF generate (static, left-padded)", hf_static),
+                     ("HF continuous batching (generate_batch manager)", hf_continuous)):
+        try:
+            rows.append({"system": name, "tokens_per_s": fn(hf, requests, max_num_seqs)})
+        except Exception as exc:  # noqa: BLE001 - a peer's failure is a reported result
+            rows.append({"system": name, "tokens_per_s": float("nan"),
+                         "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+    ours = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["cobatch_continuous_over_this"] = ours / row["tokens_per_s"] if row["tokens_per_s"] else None
+    return rows
+
+
+def peers_section(ctx: ClaimsContext) -> Section:
+    """The claims-report section for the peers."""
+    requests = ctx.workload(16, "32-64", "8-16,48-64", seed=5)
+    rows = measure(ctx.factory, requests, 8, ctx.factory.config.model)
+    table = _table(["system", "useful tok/s", "cobatch continuous / this"],
+                   [[r["system"], r["tokens_per_s"],
+                     "failed: " + r["error"] if "error" in r else f"{r['cobatch_continuous_over_this']:.2f}x"]
+                    for r in rows])
+    md = (f"{len(requests)} requests (prompts 32-64, outputs 8-16 / 48-64), batch 8, greedy, ignore "
+          f"EOS, same weights and dtype.\n\n{table}")
+    return Section("peers", "Peers: HF transformers in the same harness", md, {"rows": rows})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from cobatch.bench.common import add_engine_arguments, add_workload_arguments
+
+    add_engine_arguments(parser, max_num_seqs=8)
+    add_workload_arguments(parser)
+    parser.set_defaults(num_prompts=16, input_len="32-64", output_len="8-16,48-64")
+
+
+def main(args: argparse.Namespace) -> int:
+    from cobatch.bench.common import engine_config_from_args, workload_from_args
+    from cobatch.bench.runs import warm_up
+
+    factory = EngineFactory.load(engine_config_from_args(args))
+    warm_up(factory)
+    for row in measure(factory, workload_from_args(args), args.max_num_seqs, args.model):
+        extra = row.get("error") or f"cobatch continuous / this = {row['cobatch_continuous_over_this']:.2f}x"
+        print(f"{row['system']:>50}: {row['tokens_per_s']:8.1f} tok/s   {extra}")
+    return 0
