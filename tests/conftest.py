@@ -36,3 +36,19 @@ def save_tiny_model(path: Path, seed: int = 0) -> Path:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An HF folder holding the tiny random Llama and the real SmolLM2 tokenizer."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """HF transformers' own load of the default GGUF in fp32 (the correctness reference) + tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cobatch.models.paths import resolve_model_path
+
+    path = resolve_model_path(None)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    return hf, tok
