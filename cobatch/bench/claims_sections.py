@@ -220,7 +220,8 @@ def paged_vs_reserved(ctx: ClaimsContext) -> Section:
 def memory_pressure(ctx: ClaimsContext) -> Section:
     """A pool too small for every running request to grow: preemptions, recomputed tokens, tok/s."""
     requests = ctx.workload(16, "32-64", "96-160", seed=4)
-    num_blocks = max(16, int(64 * ctx.scale))
+    # The smallest pool the engine accepts: one max_model_len sequence (64 blocks at 1024 tokens).
+    num_blocks = -(-ctx.factory.runner.max_model_len // ctx.factory.config.block_size)
     runs = [run_workload(ctx.factory.make(max_num_seqs=16), requests, "ample KV (no pressure)")]
     for mode in ("recompute", "swap"):
         engine = ctx.factory.make(max_num_seqs=16, num_kv_blocks=num_blocks, preemption_mode=mode)
