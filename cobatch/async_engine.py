@@ -103,8 +103,9 @@ class _StopSequence:
 
 @dataclass(frozen=True, slots=True)
 class _Fault:
-    kind: str  # "step_error" | "stall" | "engine_death"
+    kind: str  # one of FAULT_KINDS
     seconds: float
+    num_steps: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +114,7 @@ class _Shutdown:
 
 
 _Command = _Add | _Abort | _StopSequence | _Fault | _Shutdown
-FAULT_KINDS = ("step_error", "stall", "engine_death")
+FAULT_KINDS = ("step_error", "stall", "engine_death", "clear")
 
 
 @dataclass(slots=True)
@@ -290,11 +291,12 @@ class AsyncEngine:
         """Finish one sequence with "stop" (the server found a stop string in its text)."""
         self._inbox.put(_StopSequence(seq_id, stop_reason))
 
-    def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
-        """Test-only: make the next step fail, stall for `seconds`, or kill the engine thread."""
+    def inject_fault(self, kind: str, seconds: float = 0.0, num_steps: int = 1) -> None:
+        """Test-only: the next `num_steps` steps fail or sleep `seconds`; or the engine thread dies;
+        or "clear" removes a pending fault."""
         if kind not in FAULT_KINDS:
             raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {kind!r}")
-        self._inbox.put(_Fault(kind, seconds))
+        self._inbox.put(_Fault(kind, seconds, num_steps))
 
     # ---- event-loop side of publishing -----------------------------------------------------------
 
@@ -468,14 +470,20 @@ class _EngineDeathInjected(Exception):
 
 
 def _install_fault(engine: Engine, fault: _Fault) -> None:
-    """Test-only faults, applied on the engine thread: a one-shot runner hook, or a death now."""
+    """Test-only faults, applied on the engine thread: a runner hook for the next steps, or a death."""
     if fault.kind == "engine_death":
         raise _EngineDeathInjected("injected fault: the engine loop dies")
     runner = engine.runner
+    if fault.kind == "clear":
+        runner.fault_hook = None  # type: ignore[attr-defined]
+        return
     previous = getattr(runner, "fault_hook", None)
+    remaining = [fault.num_steps]
 
     def hook(output: object) -> None:
-        runner.fault_hook = previous  # type: ignore[attr-defined]
+        remaining[0] -= 1
+        if remaining[0] <= 0:
+            runner.fault_hook = previous  # type: ignore[attr-defined]
         if fault.kind == "stall":
             time.sleep(fault.seconds)
         else:

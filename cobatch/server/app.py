@@ -34,6 +34,7 @@ class FaultRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: str
     seconds: float = Field(0.0, ge=0.0, le=600.0)
+    num_steps: int = Field(1, ge=1, le=1_000_000)
 
 
 def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
@@ -136,8 +137,8 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
 def _add_fault_route(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/debug/fault", include_in_schema=False)
     async def fault(req: FaultRequest) -> JSONResponse:
-        """Test-only (--enable-fault-injection): fail the next step, stall it, or kill the engine."""
+        """Test-only (--enable-fault-injection): fail or slow the next steps, or kill the engine."""
         if req.kind not in FAULT_KINDS:
             raise bad_request(f"kind must be one of {FAULT_KINDS}", "kind")
-        ctx.async_engine.inject_fault(req.kind, req.seconds)
+        ctx.async_engine.inject_fault(req.kind, req.seconds, req.num_steps)
         return JSONResponse({"injected": req.kind})
