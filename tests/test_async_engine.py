@@ -1,0 +1,186 @@
+"""AsyncEngine over the fake runner: the engine thread, the inbox, streams, aborts, faults, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from cobatch.async_engine import (AsyncEngine, EngineDeadError, EngineState, RequestFailedError,
+                                  RequestStream)
+from cobatch.config import SchedulerConfig
+from cobatch.engine import Engine
+from cobatch.metrics import EngineMetrics
+from cobatch.request import RequestDelta
+from cobatch.sampling_params import SamplingParams
+from tests.fakes import FakeRunner
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def make_engine(step_delay_s: float = 0.0) -> Engine:
+    runner = FakeRunner(num_kv_blocks=32, block_size=4, max_model_len=64)
+    if step_delay_s:
+        runner.fault_hook = lambda output: time.sleep(step_delay_s)
+    return Engine(runner, SchedulerConfig(num_kv_blocks=32, block_size=4, max_model_len=64))
+
+
+def params(max_tokens: int = 4, n: int = 1) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True, temperature=0.0)
+
+
+async def started(factory: Callable[[], Engine], **kwargs: object) -> AsyncEngine:
+    engine = AsyncEngine(factory, **kwargs)  # type: ignore[arg-type]
+    engine.start()
+    for _ in range(200):
+        if engine.state != EngineState.STARTING:
+            return engine
+        await asyncio.sleep(0.01)
+    raise TimeoutError("engine never left STARTING")
+
+
+async def collect(stream: RequestStream) -> list[RequestDelta]:
+    return [delta async for delta in stream]
+
+
+def run(coro: object) -> object:
+    return asyncio.run(asyncio.wait_for(coro, timeout=20))  # type: ignore[arg-type]
+
+
+def test_one_request_streams_its_tokens_and_metrics_see_it() -> None:
+    async def main() -> None:
+        metrics = EngineMetrics("fake")
+        engine = await started(make_engine, metrics=metrics)
+        deltas = await collect(engine.add("r1", PROMPT, params(max_tokens=4)))
+        assert sum(len(d.new_token_ids) for d in deltas) == 4
+        assert deltas[-1].finish_reason == "length"
+        assert engine.snapshot.num_kv_blocks_used == 0 and engine.num_live_requests == 0
+        assert b'cobatch:generation_tokens_total{model_name="fake"} 4.0' in metrics.render()[0]
+        await engine.shutdown()
+    run(main())
+
+
+def test_request_joins_the_running_batch_at_the_next_step() -> None:
+    async def main() -> None:
+        engine = await started(lambda: make_engine(step_delay_s=0.005))
+        long = engine.add("long", PROMPT, params(max_tokens=40))
+        long_deltas = long.__aiter__()
+        await long_deltas.__anext__()  # "long" is generating
+        short = await collect(engine.add("short", [1, 2, 3], params(max_tokens=3)))
+        assert short[-1].finished
+        rest = [d async for d in long_deltas]
+        assert rest[-1].finish_reason == "length" and len(rest) > 3  # still going when short ended
+        rows = [s.row_request_ids for s in engine._engine.stats]  # type: ignore[union-attr]
+        assert any({"long", "short"} <= set(r) for r in rows)
+        await engine.shutdown()
+    run(main())
+
+
+def test_abort_frees_blocks_within_one_step() -> None:
+    async def main() -> None:
+        engine = await started(lambda: make_engine(step_delay_s=0.005))
+        stream = engine.add("r", PROMPT, params(max_tokens=50))
+        deltas = stream.__aiter__()
+        await deltas.__anext__()
+        assert engine.snapshot.num_kv_blocks_used > 0
+        engine.abort("r")
+        rest = [d async for d in deltas]
+        assert rest[-1].finish_reason == "abort"
+        await asyncio.sleep(0.05)
+        assert engine.snapshot.num_kv_blocks_used == 0 and engine.snapshot.num_running == 0
+        await engine.shutdown()
+    run(main())
+
+
+def test_stop_sequence_finishes_one_of_n() -> None:
+    async def main() -> None:
+        engine = await started(lambda: make_engine(step_delay_s=0.002))
+        stream = engine.add("r", PROMPT, params(max_tokens=30, n=2))
+        finishes: dict[int, str | None] = {}
+        async for delta in stream:
+            if delta.index == 0 and not finishes and delta.new_token_ids:
+                engine.stop_sequence("r#0", "STOP")
+            if delta.finished:
+                finishes[delta.index] = delta.finish_reason
+        assert finishes == {0: "stop", 1: "length"}
+        await engine.shutdown()
+    run(main())
+
+
+def test_runner_failure_fails_only_its_request() -> None:
+    async def main() -> None:
+        engine = await started(make_engine)
+        engine.inject_fault("step_error")
+        with pytest.raises(RequestFailedError):
+            await collect(engine.add("bad", PROMPT, params()))
+        deltas = await collect(engine.add("good", PROMPT, params()))
+        assert deltas[-1].finish_reason == "length" and engine.is_healthy
+        await engine.shutdown()
+    run(main())
+
+
+def test_engine_death_fails_streams_and_new_requests() -> None:
+    async def main() -> None:
+        reasons: list[str] = []
+        engine = await started(lambda: make_engine(step_delay_s=0.005), on_dead=reasons.append)
+        stream = engine.add("r", PROMPT, params(max_tokens=50))
+        engine.inject_fault("engine_death")
+        with pytest.raises(EngineDeadError):
+            await collect(stream)
+        assert engine.state == EngineState.DEAD and not engine.is_healthy and reasons
+        with pytest.raises(EngineDeadError):
+            engine.add("later", PROMPT, params())
+        await engine.shutdown()
+    run(main())
+
+
+def test_load_failure_is_death() -> None:
+    def broken() -> Engine:
+        raise RuntimeError("no such model")
+
+    async def main() -> None:
+        engine = await started(broken)
+        assert engine.state == EngineState.DEAD and "no such model" in (engine.dead_reason or "")
+        await engine.shutdown()
+    run(main())
+
+
+def test_watchdog_flags_a_stalled_step() -> None:
+    async def main() -> None:
+        engine = await started(make_engine, watchdog_timeout_s=0.1)
+        engine.inject_fault("stall", seconds=0.5)
+        stream = engine.add("r", PROMPT, params())
+        await asyncio.sleep(0.3)
+        assert engine.is_stalled and not engine.is_healthy
+        await collect(stream)
+        assert engine.is_healthy
+        await engine.shutdown()
+    run(main())
+
+
+def test_drain_lets_short_requests_finish_and_aborts_the_rest() -> None:
+    async def main() -> None:
+        engine = await started(lambda: make_engine(step_delay_s=0.005))
+        short = asyncio.ensure_future(collect(engine.add("short", PROMPT, params(max_tokens=3))))
+        long = asyncio.ensure_future(collect(engine.add("long", PROMPT, params(max_tokens=50))))
+        num_aborted = await engine.drain(timeout_s=0.1)
+        assert num_aborted == 1 and not engine.is_accepting
+        assert (await short)[-1].finish_reason == "length"
+        assert (await long)[-1].finish_reason == "abort"
+        await engine.shutdown()
+    run(main())
+
+
+def test_queue_count_includes_requests_the_engine_has_not_seen() -> None:
+    async def main() -> None:
+        engine = await started(make_engine)
+        engine.inject_fault("stall", seconds=0.3)
+        streams = [engine.add(f"r{i}", PROMPT, params()) for i in range(3)]
+        assert engine.num_queued_requests == 3  # counted before the engine thread drains the inbox
+        for stream in streams:
+            await collect(stream)
+        assert engine.num_queued_requests == 0
+        await engine.shutdown()
+    run(main())
