@@ -4,13 +4,14 @@ The flat batch puts all decode rows first, then the prefill rows (the runner bui
 
     tokens:  [ d0 d1 ... d(D-1) | p0 p0 p0 p0 | p1 p1 ... ]
                decode rows: 1 token each      prefill rows: many tokens each
-               batched together, one SDPA     one SDPA per row (few per step)
+               batched: gather + 2 bmm        one SDPA per row (few per step)
 
 KV cache of one layer: K and V tensors `[num_blocks, block_size, num_kv_heads, head_dim]`; token t of a
 sequence lives at slot `block_table[t // block_size] * block_size + t % block_size`.
 
 Masked-out slots (padding of block tables, other sequences' blocks) hold whatever was written there: zeros
-from allocation or K/V computed by the model, always finite; boolean masks give them exactly zero weight.
+from allocation or K/V computed by the model, always finite; -inf / boolean masks give them exactly zero
+weight (finite garbage times a zero weight is zero; NaN garbage could not be masked, hence the zeroed cache).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
     num_decode_tokens: int  # decode rows are tokens [0, num_decode_tokens) of the flat batch
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
-    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool: slot < seq_len
+    # [D, 1, max_blocks * block_size] fp32, additive: 0 where slot < seq_len, -inf beyond
+    decode_mask: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -68,28 +70,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """All one-token rows at once: gather their blocks, one SDPA with a length mask."""
+    """All one-token rows at once: gather their blocks, two batched matmuls with a length mask.
+
+    GQA without copying K/V into head-major order: the gathered K of a row is [ctx, kvh * hd], and
+    each query head is placed block-diagonally in a [kvh * hd] vector (zeros outside its KV head's
+    slice), so one bmm scores every head against its own KV head. It multiplies some zeros (kvh x the
+    flops), but decode attention is memory-bound and this reads K/V once, straight from the gather.
+
+        q_bd [D, nh, kvh * hd]:   head h (of KV group j) = [ 0 .. 0 | q_h | 0 .. 0 ]  (q_h in slice j)
+    """
     assert meta.decode_block_tables is not None and meta.decode_mask is not None
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = _gather_blocks(k_cache, meta.decode_block_tables)  # [D, kvh, ctx, hd]
-    v = _gather_blocks(v_cache, meta.decode_block_tables)  # [D, kvh, ctx, hd]
-    # GQA without expanding K/V: the query heads sharing one KV head become that head's "query
-    # positions" (one token, so no causality among them): [D, nh, hd] -> [D, kvh, group, hd].
-    q = q.view(num_rows, num_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
-    return out.reshape(num_rows, num_heads, head_dim)  # [D, nh, hd]
+    k = _gather_blocks(k_cache, meta.decode_block_tables)  # [D, ctx, kvh * hd]
+    v = _gather_blocks(v_cache, meta.decode_block_tables)  # [D, ctx, kvh * hd]
+    eye = torch.eye(num_kv_heads, dtype=q.dtype, device=q.device)
+    q_bd = q.view(num_rows, num_kv_heads, group, 1, head_dim) * eye.view(1, num_kv_heads, 1, num_kv_heads, 1)
+    q_bd = q_bd.view(num_rows, num_heads, num_kv_heads * head_dim)  # [D, nh, kvh * hd]
+    scores = torch.bmm(q_bd, k.transpose(1, 2)).float() * scale + meta.decode_mask  # [D, nh, ctx] fp32
+    probs = scores.softmax(dim=-1).to(q.dtype)
+    out = torch.bmm(probs, v).view(num_rows, num_kv_heads, group, num_kv_heads, head_dim)
+    # Keep each head's own KV-head slice: the block diagonal.
+    out = out.diagonal(dim1=1, dim2=3)  # [D, group, hd, kvh]
+    return out.permute(0, 3, 1, 2).reshape(num_rows, num_heads, head_dim)  # [D, nh, hd]
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, bs, kvh, hd] through block tables [B, nb] -> contiguous [B, kvh, nb * bs, hd]."""
+    """[num_blocks, bs, kvh, hd] through block tables [B, nb] -> [B, nb * bs, kvh * hd]."""
     num_rows, max_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = cache[block_tables]  # [B, nb, bs, kvh, hd]
-    gathered = gathered.view(num_rows, max_blocks * block_size, num_kv_heads, head_dim)
-    # SDPA's CPU kernel is fastest on contiguous [B, heads, seq, hd]; one copy here beats strided reads.
-    return gathered.transpose(1, 2).contiguous()
+    return cache[block_tables].view(num_rows, max_blocks * block_size, num_kv_heads * head_dim)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

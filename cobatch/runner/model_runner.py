@@ -192,7 +192,9 @@ def _add_decode_metadata(meta: AttentionMetadata, block_tables: torch.Tensor, se
     num_blocks = -(-int(seq_lens.max()) // block_size)
     meta.decode_block_tables = block_tables[:, :num_blocks].contiguous().to(device)  # [D, nb]
     slots = torch.arange(num_blocks * block_size)
-    meta.decode_mask = (slots[None, :] < seq_lens[:, None])[:, None, None, :].to(device)  # [D, 1, 1, ctx]
+    beyond = slots[None, :] >= seq_lens[:, None]  # [D, ctx]
+    mask = torch.zeros(beyond.shape).masked_fill_(beyond, float("-inf"))
+    meta.decode_mask = mask.unsqueeze(1).to(device)  # [D, 1, ctx] fp32 additive
 
 
 def _prefill_span(block_table: torch.Tensor, num_computed: int, num_new: int, end: int, block_size: int,
