@@ -67,8 +67,12 @@ class Scheduler:
         insort(self.waiting, request, key=self._order_key)
         self._num_added += 1
 
-    def abort_request(self, request_id: str) -> RequestDelta | None:
-        """Finish a request wherever it is; its blocks are free at once."""
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                      stop_reason: int | str | None = None) -> RequestDelta | None:
+        """Finish a request wherever it is (abort, or a stop string found by the caller).
+
+        Its blocks are free at once: the next step can give them to someone else.
+        """
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -306,7 +310,7 @@ class Scheduler:
         request.status = status
         request.metrics.finished_time = now
         keep_row = (self.config.batching == "static" and was_running
-                    and status != RequestStatus.FINISHED_ABORTED and status != RequestStatus.FINISHED_ERROR)
+                    and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
         if keep_row:
             request.is_padding = True  # keeps its row and blocks until the batch's longest ends
         else:
