@@ -95,7 +95,8 @@ def _default_served_name(model: str | None) -> str:
     from cobatch.models.paths import resolve_model_path
 
     path = resolve_model_path(model)
-    return path.stem if path.is_file() else Path(path).name
+    # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct": the quantization is not the name.
+    return path.name.split(".")[0] if path.is_file() else Path(path).name
 
 
 @dataclass(slots=True)
