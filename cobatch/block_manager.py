@@ -172,8 +172,8 @@ class BlockManager:
         self.swap_tables[request.request_id] = host
         return mapping
 
-    def can_swap_in(self, request: Request) -> bool:
-        return self.can_allocate(len(self.swap_tables[request.request_id]), use_watermark=True)
+    def can_swap_in(self, request: Request, use_watermark: bool = True) -> bool:
+        return self.can_allocate(len(self.swap_tables[request.request_id]), use_watermark)
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Bring the request's blocks back: (host block, device block) copies to do."""

@@ -172,7 +172,7 @@ class Scheduler:
     def _schedule_swapped(self, plan: _StepPlan) -> None:
         while self.swapped and plan.budget > 0 and self._has_seat():
             request = self.swapped[0]
-            if not self.block_manager.can_swap_in(request):
+            if not self.block_manager.can_swap_in(request, use_watermark=bool(self.running)):
                 break
             self.swapped.pop(0)
             plan.swap_in.extend(self.block_manager.swap_in(request))
@@ -214,7 +214,9 @@ class Scheduler:
                 self.num_slo_capped_steps += 1
                 return False
         request.num_computed_tokens = num_cached
-        if not bm.allocate_slots(request, num_new, cached, use_watermark=True):
+        # The watermark is headroom for running requests to grow into: with none running, holding
+        # it back would starve a request that needs the whole pool (it would wait forever).
+        if not bm.allocate_slots(request, num_new, cached, use_watermark=bool(self.running)):
             request.num_computed_tokens = 0
             return False
         bm.record_cache_lookup(request.num_tokens - 1, num_cached)
