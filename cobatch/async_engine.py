@@ -25,6 +25,7 @@ from cobatch.engine import Engine, StepStats
 from cobatch.metrics import EngineMetrics
 from cobatch.request import RequestDelta
 from cobatch.sampling_params import SamplingParams
+from cobatch.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class _Shutdown:
 
 
 _Command = _Add | _Abort | _StopSequence | _Fault | _Shutdown
-FAULT_KINDS = ("step_error", "stall", "engine_death", "clear")
+FAULT_KINDS = ("step_error", "stall", "no_progress", "engine_death", "clear")
 
 
 @dataclass(slots=True)
@@ -178,6 +179,8 @@ class AsyncEngine:
         # Written by the engine thread, read by the loop: single attribute stores, no lock needed.
         self._engine: Engine | None = None
         self._busy_since: float | None = None  # start of the step in progress (watchdog)
+        # Last time the engine was idle or ran a step with rows: the watchdog's "is it progressing".
+        self._last_progress: float = time.monotonic()
         self._thread_state = EngineState.STARTING
         # Loop-side state.
         self.state = EngineState.STARTING
@@ -185,6 +188,7 @@ class AsyncEngine:
         self.dead_reason: str | None = None
         self.snapshot = EngineSnapshot()
         self._streams: dict[str, RequestStream] = {}
+        self._work_since = 0.0  # when live requests last appeared after none: progress is due after
         self._num_adds_sent = 0
 
     @classmethod
@@ -216,9 +220,15 @@ class AsyncEngine:
 
     @property
     def is_stalled(self) -> bool:
-        """The watchdog: a step has been in progress for longer than the threshold."""
+        """The watchdog: one step runs too long, or work is pending and no step has done any."""
+        now, limit = time.monotonic(), self.watchdog_timeout_s
         busy_since = self._busy_since
-        return busy_since is not None and time.monotonic() - busy_since > self.watchdog_timeout_s
+        if busy_since is not None and now - busy_since > limit:
+            return True
+        # A wedged engine thread, or a scheduler that schedules nothing, never starts a long
+        # step: only the absence of progress while requests are live shows it.
+        has_work = bool(self._streams) or self._num_adds_sent > self.snapshot.num_adds_processed
+        return has_work and now - max(self._last_progress, self._work_since) > limit
 
     @property
     def is_healthy(self) -> bool:
@@ -276,6 +286,8 @@ class AsyncEngine:
             raise EngineDeadError(self.dead_reason or "the engine is dead")
         assert request_id not in self._streams, f"duplicate request id {request_id}"
         stream = RequestStream(request_id, params.n)
+        if not self._streams:
+            self._work_since = time.monotonic()  # the engine may have been idle for long
         self._streams[request_id] = stream
         self._num_adds_sent += 1
         self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority, time.monotonic()))
@@ -292,8 +304,8 @@ class AsyncEngine:
         self._inbox.put(_StopSequence(seq_id, stop_reason))
 
     def inject_fault(self, kind: str, seconds: float = 0.0, num_steps: int = 1) -> None:
-        """Test-only: the next `num_steps` steps fail or sleep `seconds`; or the engine thread dies;
-        or "clear" removes a pending fault."""
+        """Test-only: the next `num_steps` steps fail or sleep `seconds`; or for `seconds` steps
+        schedule nothing (no_progress); or the engine thread dies; or "clear" removes a fault."""
         if kind not in FAULT_KINDS:
             raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {kind!r}")
         self._inbox.put(_Fault(kind, seconds, num_steps))
@@ -391,6 +403,8 @@ class AsyncEngine:
         num_adds = 0
         while True:
             commands = self._next_commands(block=not engine.has_unfinished_requests())
+            if not engine.has_unfinished_requests():
+                self._last_progress = time.monotonic()  # idle until now: nothing was late
             deltas: list[RequestDelta] = []
             rejected: list[tuple[str, str]] = []
             for command in commands:
@@ -438,7 +452,10 @@ class AsyncEngine:
         self._busy_since = time.monotonic()
         deltas.extend(engine.step())
         self._busy_since = None
-        return engine.stats[-1] if engine.num_steps > num_steps and engine.stats else None
+        stats = engine.stats[-1] if engine.num_steps > num_steps and engine.stats else None
+        if stats is not None and stats.num_rows > 0:
+            self._last_progress = time.monotonic()
+        return stats
 
 
 def _snapshot_of(engine: Engine, num_adds: int) -> EngineSnapshot:
@@ -473,6 +490,9 @@ def _install_fault(engine: Engine, fault: _Fault) -> None:
     """Test-only faults, applied on the engine thread: a runner hook for the next steps, or a death."""
     if fault.kind == "engine_death":
         raise _EngineDeathInjected("injected fault: the engine loop dies")
+    if fault.kind == "no_progress":
+        _starve_scheduler(engine, time.monotonic() + fault.seconds)
+        return
     runner = engine.runner
     if fault.kind == "clear":
         runner.fault_hook = None  # type: ignore[attr-defined]
@@ -490,3 +510,18 @@ def _install_fault(engine: Engine, fault: _Fault) -> None:
             raise RuntimeError("injected fault: this step fails")
 
     runner.fault_hook = hook  # type: ignore[attr-defined]
+
+
+def _starve_scheduler(engine: Engine, until: float) -> None:
+    """Test-only: until `until`, every step schedules nothing (a livelocked scheduler)."""
+    scheduler = engine.scheduler
+    schedule = scheduler.schedule
+
+    def starved() -> SchedulerOutput:
+        if time.monotonic() >= until:
+            scheduler.schedule = schedule  # type: ignore[method-assign]
+            return schedule()
+        time.sleep(0.001)  # a livelock spins; this one spares the CPU
+        return SchedulerOutput(rows=())
+
+    scheduler.schedule = starved  # type: ignore[method-assign]

@@ -49,7 +49,7 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     add("--shutdown-timeout", type=float, default=30.0,
         help="seconds SIGTERM waits for in-flight requests before aborting them")
     add("--watchdog-timeout", type=float, default=60.0,
-        help="/health turns 503 when one step runs longer than this many seconds")
+        help="/health turns 503 when a step, or live work without progress, lasts this long (s)")
     add("--max-body-mb", type=float, default=8.0, help="request-body limit (413 above it)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add("--enable-fault-injection", action="store_true",
