@@ -52,7 +52,6 @@ class Scheduler:
         self.swapped: list[Request] = []  # sorted by _order_key
         self.num_preemptions_total = 0
         self.num_slo_capped_steps = 0
-        self._num_added = 0
 
     # ---- queues --------------------------------------------------------------------------------
 
@@ -65,7 +64,6 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         insort(self.waiting, request, key=self._order_key)
-        self._num_added += 1
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
                       stop_reason: int | str | None = None) -> RequestDelta | None:
@@ -81,10 +79,6 @@ class Scheduler:
             return None
         request.stop_reason = stop_reason
         return self._finish(request, status, time.monotonic())
-
-    @property
-    def num_unfinished(self) -> int:
-        return sum(1 for r in self.requests.values() if not r.is_finished)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
