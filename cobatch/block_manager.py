@@ -35,6 +35,7 @@ class BlockManager:
         self.block_tables: dict[str, list[int]] = {}
         self.cached_blocks: dict[int, int] = {}  # block hash -> block id
         self.block_hash_of: dict[int, int] = {}  # block id -> block hash
+        self._num_registered: dict[str, int] = {}  # request id -> leading blocks already registered
         self.free_swap_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self.swap_tables: dict[str, list[int]] = {}
         self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
@@ -100,12 +101,14 @@ class BlockManager:
         self.update_block_hashes(request)
         table = self.block_tables.get(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
-        for i in range(num_full):
+        start = self._num_registered.get(request.request_id, 0)
+        for i in range(start, num_full):  # only blocks that became full since the last call
             block, block_hash = table[i], request.block_hashes[i]
             if block in self.block_hash_of or block_hash in self.cached_blocks:
                 continue
             self.cached_blocks[block_hash] = block
             self.block_hash_of[block] = block_hash
+        self._num_registered[request.request_id] = max(start, num_full)
 
     # ---- allocation --------------------------------------------------------------------------
 
@@ -137,6 +140,7 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Release the request's device blocks (cached ones stay revivable until evicted)."""
         table = self.block_tables.pop(request.request_id, [])
+        self._num_registered.pop(request.request_id, None)
         # Free the tail first so that eviction (from the front) takes the deepest prefix blocks last.
         for block in reversed(table):
             self.ref_counts[block] -= 1
