@@ -35,11 +35,12 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: object) -> torch.nn.Mod
 
 
 def runner_for(hf_model: torch.nn.Module, num_kv_blocks: int = 64, block_size: int = 4,
-               num_swap_blocks: int = 0) -> ModelRunner:
+               num_swap_blocks: int = 0, native_attention: bool = True) -> ModelRunner:
     """Our runner around the same weights as `hf_model`."""
     config = ModelConfig.from_hf_config(hf_model.config.to_dict())
     model = build_model(config, hf_model.state_dict(), torch.float32)
-    return ModelRunner.from_model(model, config, num_kv_blocks, block_size, num_swap_blocks=num_swap_blocks)
+    return ModelRunner.from_model(model, config, num_kv_blocks, block_size, num_swap_blocks=num_swap_blocks,
+                                  native_attention=native_attention)
 
 
 def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], num_tokens: int) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -85,6 +86,21 @@ def test_non_final_chunk_samples_nothing(hf_model) -> None:
     seq = BlockAllocator(runner.block_size).seq("r0", PROMPTS[2], 20)
     out = step(runner, [(seq, 4)])
     assert out.sampled_token_ids == () and runner.last_timings["forward_s"] > 0
+
+
+def test_padding_row_writes_no_kv(hf_model) -> None:
+    runner = runner_for(hf_model)
+    seq = BlockAllocator(runner.block_size).seq("r0", PROMPTS[0], 20)
+    step(runner, [(seq, None)])
+    step(runner, [(seq, 1)])
+    before = runner.kv_cache[:, :, :runner.num_kv_blocks].clone()
+    runner.kv_cache[:, :, seq.block_table] += 0.5  # a recomputed write would now differ from the cache
+    shifted = runner.kv_cache[:, :, :runner.num_kv_blocks].clone()
+    last = seq.num_computed_tokens - 1
+    padding = replace(seq.row(1), num_computed_tokens=last, needs_sample=False, is_padding=True)
+    assert runner.execute(SchedulerOutput((padding,))).sampled_token_ids == ()
+    assert torch.equal(runner.kv_cache[:, :, :runner.num_kv_blocks], shifted)
+    assert not torch.equal(shifted, before)
 
 
 # ----------------------------------------------------------------------------- the real default model

@@ -17,9 +17,17 @@ weight (finite garbage times a zero weight is zero; NaN garbage could not be mas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+class DecodeKernel(Protocol):
+    """A fused paged decode attention (models/native.py): reads K/V in place through the block tables."""
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -41,8 +49,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
     num_decode_tokens: int  # decode rows are tokens [0, num_decode_tokens) of the flat batch
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
-    # [D, 1, max_blocks * block_size] fp32, additive: 0 where slot < seq_len, -inf beyond
+    decode_seq_lens: torch.Tensor | None = None  # [D] int64: context of each decode row, new token included
+    # [D, 1, max_blocks * block_size] fp32, additive: 0 where slot < seq_len, -inf beyond (torch path only)
     decode_mask: torch.Tensor | None = None
+    decode_kernel: DecodeKernel | None = None  # when set, decode rows skip the gather + bmm path
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -70,7 +80,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """All one-token rows at once: gather their blocks, two batched matmuls with a length mask.
+    """All one-token rows at once: the native kernel when present, else gather their blocks and run two
+    batched matmuls with a length mask.
 
     GQA without copying K/V into head-major order: the gathered K of a row is [ctx, kvh * hd], and
     each query head is placed block-diagonally in a [kvh * hd] vector (zeros outside its KV head's
@@ -79,7 +90,11 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
         q_bd [D, nh, kvh * hd]:   head h (of KV group j) = [ 0 .. 0 | q_h | 0 .. 0 ]  (q_h in slice j)
     """
-    assert meta.decode_block_tables is not None and meta.decode_mask is not None
+    assert meta.decode_block_tables is not None
+    if meta.decode_kernel is not None:
+        assert meta.decode_seq_lens is not None
+        return meta.decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    assert meta.decode_mask is not None
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads

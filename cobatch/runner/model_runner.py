@@ -15,10 +15,11 @@ import numpy as np
 import torch
 
 from cobatch.config import EngineConfig
-from cobatch.models.attention import AttentionMetadata, PrefillSpan
+from cobatch.models.attention import AttentionMetadata, DecodeKernel, PrefillSpan
 from cobatch.models.llama import LlamaForCausalLM
 from cobatch.models.loader import load_model, resolve_model_path
 from cobatch.models.model_config import ModelConfig
+from cobatch.models.native import load_decode_kernel
 from cobatch.runner.sampler import Sampler
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
 
@@ -32,7 +33,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, *, num_kv_blocks: int,
                  block_size: int, num_swap_blocks: int = 0, max_model_len: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, native_attention: bool = True) -> None:
         param = next(model.parameters())
         self.model, self.model_config = model, model_config
         self.dtype, self.device = param.dtype, param.device
@@ -45,10 +46,13 @@ class ModelRunner:
         self.kv_bytes_per_token = kv_bytes_per_token(model_config, self.dtype)
         self.eos_token_ids: tuple[int, ...] = model_config.eos_token_ids
         # One tensor for all layers, so a swap is a single indexed copy: [L, 2 (K/V), blocks, bs, kvh, hd].
-        self.kv_cache = self._allocate_cache(num_kv_blocks, self.device)
+        # One block more than the scheduler knows of: the sink where padding rows' K/V writes go.
+        self.kv_cache = self._allocate_cache(num_kv_blocks + 1, self.device)
+        self.scratch_slot = num_kv_blocks * block_size
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         self.swap_cache = self._allocate_cache(num_swap_blocks, torch.device("cpu"))
         self.sampler = Sampler(seed, self.device)
+        self.decode_kernel = _decode_kernel(self.dtype, self.device) if native_attention else None
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests make steps fail
         self.last_timings: dict[str, float] = {}
 
@@ -69,10 +73,11 @@ class ModelRunner:
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, model_config: ModelConfig, num_kv_blocks: int,
                    block_size: int, *, num_swap_blocks: int = 0, max_model_len: int | None = None,
-                   seed: int = 0) -> ModelRunner:
+                   seed: int = 0, native_attention: bool = True) -> ModelRunner:
         """A runner around an in-memory model (tests: tiny random models, no files)."""
         return cls(model, model_config, num_kv_blocks=num_kv_blocks, block_size=block_size,
-                   num_swap_blocks=num_swap_blocks, max_model_len=max_model_len, seed=seed)
+                   num_swap_blocks=num_swap_blocks, max_model_len=max_model_len, seed=seed,
+                   native_attention=native_attention)
 
     def _allocate_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         c = self.model_config
@@ -93,7 +98,7 @@ class ModelRunner:
         if not out.rows:
             return RunnerOutput((), ())
         t0 = time.perf_counter()
-        batch = prepare_batch(out.rows, self.block_size, self.device)
+        batch = prepare_batch(out.rows, self.block_size, self.device, self.decode_kernel, self.scratch_slot)
         t1 = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)  # [T, H]
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # [R, V] fp32
@@ -148,8 +153,14 @@ class Batch:
         self.sample_indices = sample_indices
 
 
-def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.device) -> Batch:
-    """Flatten the rows (decode rows first) and build all attention metadata once for every layer."""
+def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.device,
+                  decode_kernel: DecodeKernel | None = None, scratch_slot: int | None = None) -> Batch:
+    """Flatten the rows (decode rows first) and build all attention metadata once for every layer.
+
+    Padding rows (static batching) recompute a position already in the cache, maybe in a prefix-cached
+    block other requests share; in bf16 the recomputed K/V can differ in the low bits, so their writes
+    go to `scratch_slot` (a block the scheduler never hands out) instead.
+    """
     order = sorted(range(len(rows)), key=lambda i: rows[i].num_new_tokens != 1)  # stable: decode first
     ordered = [rows[i] for i in order]
     num_decode = sum(1 for r in ordered if r.num_new_tokens == 1)
@@ -164,7 +175,11 @@ def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.d
     positions = starts[row_of_token] + torch.arange(len(token_ids)) - (ends - counts)[row_of_token]  # [T]
     block_tables = _padded_block_tables(ordered, block_size)  # [R, max_blocks]
     slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
-    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), num_decode_tokens=num_decode)
+    is_padding = torch.tensor([r.is_padding for r in ordered])  # [R]
+    if scratch_slot is not None and bool(is_padding.any()):
+        slot_mapping = slot_mapping.masked_fill(is_padding[row_of_token], scratch_slot)  # [T]
+    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), num_decode_tokens=num_decode,
+                             decode_kernel=decode_kernel)
     if num_decode:
         _add_decode_metadata(meta, block_tables[:num_decode], starts[:num_decode] + 1, block_size, device)
     for j in range(num_decode, len(ordered)):
@@ -191,6 +206,9 @@ def _add_decode_metadata(meta: AttentionMetadata, block_tables: torch.Tensor, se
                          block_size: int, device: torch.device) -> None:
     num_blocks = -(-int(seq_lens.max()) // block_size)
     meta.decode_block_tables = block_tables[:, :num_blocks].contiguous().to(device)  # [D, nb]
+    meta.decode_seq_lens = seq_lens.to(device)  # [D]
+    if meta.decode_kernel is not None:
+        return  # the kernel stops at each row's length: no mask
     slots = torch.arange(num_blocks * block_size)
     beyond = slots[None, :] >= seq_lens[:, None]  # [D, ctx]
     mask = torch.zeros(beyond.shape).masked_fill_(beyond, float("-inf"))
@@ -210,6 +228,12 @@ def _prefill_span(block_table: torch.Tensor, num_computed: int, num_new: int, en
 
 
 # ---------------------------------------------------------------------------------- device, dtype
+
+def _decode_kernel(dtype: torch.dtype, device: torch.device) -> DecodeKernel | None:
+    """The native decode-attention kernel where it is built and handles this dtype and device."""
+    kernel = load_decode_kernel()
+    return kernel if kernel is not None and kernel.supports(dtype, device) else None
+
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """KV cache bytes one token takes across all layers (K and V)."""

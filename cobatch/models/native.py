@@ -1,0 +1,102 @@
+"""The native decode-attention kernel (csrc/paged_attention.c): built with the system C compiler at first
+use, cached per source and machine, loaded with ctypes; `None` wherever it cannot be built (then the
+pure-torch path runs).
+
+Why not torch.utils.cpp_extension: torch's headers make a build take a minute; this plain C file builds
+in about a second and needs nothing but gcc (or cc) with OpenMP.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_COMPILE_TIMEOUT_S = 120
+_DISABLE_ENV = "COBATCH_NO_NATIVE"  # set to 1 to force the pure-torch path (A/B measurements)
+_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+
+
+class DecodeKernel:
+    """Paged decode attention for fp32 and bf16 caches (see csrc/paged_attention.c for layouts)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {torch.float32: lib.paged_decode_f32, torch.bfloat16: lib.paged_decode_bf16}
+        for fn in self._fns.values():
+            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+
+    def supports(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return device.type == "cpu" and dtype in self._fns
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [D, nh, hd], caches [blocks, bs, kvh, hd], block_tables [D, nb], seq_lens [D] -> [D, nh, hd]."""
+        q = q.contiguous()
+        num_rows, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
+        assert block_tables.dtype == torch.int64 and seq_lens.dtype == torch.int64
+        out = torch.empty_like(q)  # [D, nh, hd]
+        status = self._fns[q.dtype](
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            seq_lens.data_ptr(), out.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim,
+            block_size, block_tables.shape[1], scale)
+        if status != 0:
+            raise MemoryError("native decode attention could not allocate its scratch buffers")
+        return out
+
+
+@lru_cache(maxsize=1)
+def load_decode_kernel() -> DecodeKernel | None:
+    """The kernel, building it if needed; None when disabled, not on x86-64/Linux, or the build fails."""
+    if os.environ.get(_DISABLE_ENV, "") not in ("", "0") or platform.system() != "Linux":
+        return None
+    try:
+        return DecodeKernel(ctypes.CDLL(str(_build())))
+    except (OSError, subprocess.SubprocessError, AttributeError):
+        return None
+
+
+def _build() -> Path:
+    """Compile to a cache path keyed by source, flags and CPU; reuse it when present."""
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_attention-{key}.so"
+    if target.exists():
+        return target
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], check=True,
+                       capture_output=True, timeout=_COMPILE_TIMEOUT_S)
+        os.replace(built, target)  # atomic: concurrent builders never load a half-written file
+    return target
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cobatch"
+
+
+def _cpu_signature() -> str:
+    """-march=native code must not be reused on another CPU: key the build by the CPU's flags."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
