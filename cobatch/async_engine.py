@@ -50,6 +50,10 @@ class RequestFailedError(RuntimeError):
     """One request failed (its step raised in the runner); the engine goes on."""
 
 
+class RequestRejectedError(RequestFailedError):
+    """The engine refused a request at admission (invalid there, though it passed the front door)."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     """Static facts about the loaded engine, published once when it is ready."""
@@ -319,7 +323,7 @@ class AsyncEngine:
         for request_id, reason in published.rejected:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                stream.queue.put_nowait(RequestFailedError(reason))
+                stream.queue.put_nowait(RequestRejectedError(reason))
         for delta in published.deltas:
             self._route(delta, published.time)
 

@@ -37,7 +37,7 @@ def _check_case(case: schemathesis.Case, statuses: list[int]) -> None:
     """One generated request: never a 5xx; every error OpenAI-shaped."""
     response = case.call(headers=AUTH, timeout=30)
     statuses.append(response.status_code)
-    assert response.status_code < 500, f"{case.method} {case.path}: {response.text[:300]}"
+    assert response.status_code < 500, f"{case.method} {case.path} {case.body!r}: {response.text[:300]}"
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -114,3 +114,13 @@ def test_the_api_key_is_never_logged(server: ServerProcess) -> None:
     post(server, {"prompt": "x", "max_tokens": 1}, Authorization=API_KEY)  # no scheme
     assert " DEBUG " in server.log()  # debug logging is on: the strictest case
     assert API_KEY not in server.log()
+
+
+def test_a_request_the_engine_thread_refuses_is_a_client_error(server: ServerProcess) -> None:
+    """Found by the fuzzer: top_p=5e-324 passed the front door and failed on the engine thread (see
+    test_faults.py's denormal test) -- a 500 then; whatever the engine refuses at admission is a 400."""
+    body = {"messages": [{"role": "user", "content": "x"}], "top_p": 5e-324, "max_tokens": 2}
+    response = post(server, body, path="/v1/chat/completions")
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert response.json()["error"]["type"] == "invalid_request_error"

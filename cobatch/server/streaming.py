@@ -11,7 +11,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from cobatch.async_engine import EngineDeadError, RequestFailedError
+from cobatch.async_engine import EngineDeadError, RequestFailedError, RequestRejectedError
 from cobatch.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,9 @@ def sse(payload: BaseModel | dict[str, object]) -> str:
 
 
 def engine_failure(exc: Exception) -> APIError:
-    """The 500 a request gets when its step failed or the engine died under it."""
+    """The 500 a request gets when its step failed or the engine died under it (400 if refused)."""
+    if isinstance(exc, RequestRejectedError):  # bad input the front door could not see: the client's
+        return APIError(400, f"the request was refused: {exc}", code="invalid_request")
     if isinstance(exc, RequestFailedError):
         return APIError(500, f"generation failed: {exc}", code="engine_step_failed")
     if isinstance(exc, EngineDeadError):
