@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tpot-slo-ms", type=float, default=None)
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--plot", default=None, help="PNG of the metro timeline (default: none)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print where step time went: scheduler, input prep, forward, sampling")
 
 
 def tokenize_text_prompts(requests: list[BenchRequest], model: str | None) -> list[BenchRequest]:
@@ -69,6 +71,28 @@ def print_run(result: RunResult) -> None:
           f"mean running {result.mean_running:.1f}, preemptions {result.num_preemptions}")
 
 
+def step_time_split(result: RunResult) -> dict[str, float]:
+    """Seconds of the run's steps spent in the scheduler, the runner's parts, and the rest (update)."""
+    total = sum(s.duration_s for s in result.stats)
+    split = {"schedule": sum(s.schedule_s for s in result.stats)}
+    runner_s = result.extra.get("runner_s", {})
+    split.update({part.removesuffix("_s"): seconds for part, seconds in runner_s.items()})
+    split["update+other"] = max(0.0, total - sum(split.values()))
+    return split
+
+
+def print_step_time_split(result: RunResult) -> None:
+    split = step_time_split(result)
+    total = sum(split.values())
+    print(f"step time of {result.label}: {total:.2f} s over {len(result.stats)} steps")
+    for part, seconds in split.items():
+        print(f"  {part:>14} {seconds:7.2f} s  {100 * seconds / total:5.1f}%")
+    full = [s for s in result.stats if s.num_rows >= result.max_num_seqs]
+    if full:  # the steps at the largest batch: the issue's "share at batch 64"
+        share = sum(s.schedule_s for s in full) / sum(s.duration_s for s in full)
+        print(f"  scheduler share at batch {result.max_num_seqs}: {100 * share:.1f}% of {len(full)} steps")
+
+
 def main(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     requests = tokenize_text_prompts(workload_from_args(args), args.model)
@@ -87,6 +111,8 @@ def main(args: argparse.Namespace) -> int:
         engine = factory.make(batching=args.batching, tpot_slo_ms=args.tpot_slo_ms)
         result = run_workload(engine, requests)
         print_run(result)
+        if args.profile:
+            print_step_time_split(result)
         last, report = (result,), result.summary()
     if args.output_json:
         print(f"wrote {write_json(args.output_json, {'config': vars(args), 'result': report})}")

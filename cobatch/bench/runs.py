@@ -108,9 +108,12 @@ def run_workload(engine: Engine, requests: list[BenchRequest], label: str = "") 
         timings[f"r{i}"] = RequestTiming(start, num_prompt_tokens=len(request.prompt_token_ids))
     finished_step: dict[str, int] = {}
     totals = {"num_preemptions": 0, "num_recomputed_tokens": 0, "num_swaps": 0}
+    runner_s: dict[str, float] = {}  # the runner's own split of execute (prepare, forward, sample)
     while engine.has_unfinished_requests():
         deltas = engine.step()
         now = time.monotonic()
+        for part, seconds in getattr(engine.runner, "last_timings", {}).items():
+            runner_s[part] = runner_s.get(part, 0.0) + seconds
         for delta in deltas:
             timing = timings[delta.parent_id]
             if delta.new_token_ids:
@@ -126,7 +129,8 @@ def run_workload(engine: Engine, requests: list[BenchRequest], label: str = "") 
     config = engine.config
     return RunResult(label or config.batching, config.batching, config.max_num_seqs,
                      config.num_kv_blocks, time.monotonic() - start, list(timings.values()),
-                     list(engine.stats), finished_step, tpot_slo_ms=config.tpot_slo_ms, **totals)
+                     list(engine.stats), finished_step, tpot_slo_ms=config.tpot_slo_ms, **totals,
+                     extra={"runner_s": runner_s} if runner_s else {})
 
 
 def warm_up(factory: EngineFactory, num_tokens: int = 8) -> None:

@@ -150,6 +150,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length for --tpot-slo-ms (default: the largest profiled)")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="also print where a decode step's time goes (per part, summed over layers) "
+                             "at the smallest and largest batch of each context")
+
+
+def breakdown(runner: Runner, batch_size: int, context_len: int, block_size: int,
+              reps: int = 3) -> dict[str, float]:
+    """Median seconds per part of one decode step (ModelRunner.profile_step), over `reps` profiled runs."""
+    step = decode_step(batch_size, context_len, block_size, runner.num_kv_blocks)
+    runner.execute(step)  # warm-up
+    runs = [runner.profile_step(step) for _ in range(reps)]  # type: ignore[attr-defined]
+    return {part: statistics.median(r[part] for r in runs) for part in runs[0]}
+
+
+def print_breakdown(batch_size: int, context_len: int, parts: dict[str, float]) -> None:
+    total = sum(parts.values())
+    print(f"  B={batch_size} ctx={context_len}: {1000 * total:.1f} ms under the profiler "
+          "(its own overhead inflates many-small-op parts)")
+    for part, seconds in parts.items():
+        print(f"    {part:>18} {1000 * seconds:8.2f} ms  {100 * seconds / total:5.1f}%")
+
+
+def profile_breakdowns(runner: Runner, batch_sizes: list[int], contexts: list[int],
+                       block_size: int) -> list[dict]:
+    """Per-part profiles at the smallest and largest batch of every context."""
+    out = []
+    print("where a decode step's time goes:")
+    for context_len in contexts:
+        for batch_size in sorted({min(batch_sizes), max(batch_sizes)}):
+            parts = breakdown(runner, batch_size, context_len, block_size)
+            print_breakdown(batch_size, context_len, parts)
+            out.append({"batch_size": batch_size, "context_len": context_len,
+                        "parts_ms": {k: 1000 * v for k, v in parts.items()}})
+    return out
 
 
 def report(samples: list[StepSample], model: StepTimeModel, r2: float) -> dict:
@@ -179,6 +213,9 @@ def main(args: argparse.Namespace) -> int:
         best = max_batch_for_slo(model, args.tpot_slo_ms, ctx, config.max_num_seqs)
         result["slo"] = {"tpot_slo_ms": args.tpot_slo_ms, "context_len": ctx, "max_num_seqs": best}
         print(f"largest max_num_seqs with predicted TPOT <= {args.tpot_slo_ms} ms at ctx {ctx}: {best}")
+    if args.profile:
+        result["profile"] = profile_breakdowns(runner, powers_of_two(config.max_num_seqs), contexts,
+                                               config.block_size)
     if args.output_json:
         print(f"wrote {write_json(args.output_json, result)}")
     if args.plot:

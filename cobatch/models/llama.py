@@ -7,8 +7,9 @@ runs the final norm and lm_head only on the rows that sample.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,14 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, nu
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     # Uninitialized: the loader fills every parameter; skipping random init keeps loading fast.
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+_NO_SCOPE = contextlib.nullcontext()  # stateless and reusable: the cost of a scope when not profiling
+
+
+def scope(name: str, enabled: bool) -> ContextManager[object]:
+    """A profiler scope (`bench steps --profile`) when enabled, else a no-op that costs ~0.1 us."""
+    return torch.profiler.record_function(name) if enabled else _NO_SCOPE
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,22 +97,31 @@ class DecoderLayer(nn.Module):
         self.down_proj = _param(h, i, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """[T, H] -> [T, H]."""
-        x = x + self.attention(rms_norm(x, self.input_norm, self.eps), cos, sin, kv_cache, meta)
-        return x + self.mlp(rms_norm(x, self.post_attention_norm, self.eps))
+                meta: AttentionMetadata, profile: bool = False) -> torch.Tensor:
+        """[T, H] -> [T, H]; `profile` labels the parts for the profiler."""
+        with scope("norm", profile):
+            h = rms_norm(x, self.input_norm, self.eps)
+        with scope("qkv_proj+rope", profile):
+            q, k, v = self.qkv_rope(h, cos, sin)
+        with scope("attention", profile):
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, nh hd]
+        with scope("o_proj", profile):
+            x = x + F.linear(out, self.o_proj, self.o_bias)
+        with scope("norm", profile):
+            h = rms_norm(x, self.post_attention_norm, self.eps)
+        with scope("mlp", profile):
+            return x + self.mlp(h)
 
-    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                  meta: AttentionMetadata) -> torch.Tensor:
-        """Fused QKV, RoPE on q and k together, paged attention, output projection: [T, H] -> [T, H]."""
+    def qkv_rope(self, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused QKV, RoPE on q and k together: [T, H] -> q [T, nh, hd], k and v [T, kvh, hd]."""
         num_tokens = x.shape[0]
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, (nh + 2 kvh) hd]
         qk = qkv[:, :(nh + kvh) * hd].view(num_tokens, nh + kvh, hd)
         v = qkv[:, (nh + kvh) * hd:].view(num_tokens, kvh, hd)
         q, k = apply_rope(qk, cos, sin).split((nh, kvh), dim=1)  # [T, nh, hd], [T, kvh, hd]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, nh hd]
-        return F.linear(out, self.o_proj, self.o_bias)
+        return q, k, v
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """SiLU(gate) * up, then down: [T, H] -> [T, H]."""
@@ -128,13 +146,14 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: Sequence[KVCache]) -> torch.Tensor:
+                kv_caches: Sequence[KVCache], profile: bool = False) -> torch.Tensor:
         """input_ids, positions [T] -> last layer's output [T, H] (final norm is in compute_logits)."""
-        x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
-        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, hd / 2]
-        sin = self.rope_sin[positions].unsqueeze(1)
+        with scope("embed+rope_tables", profile):
+            x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+            cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, hd / 2]
+            sin = self.rope_sin[positions].unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin, kv_cache, meta, profile)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

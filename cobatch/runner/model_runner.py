@@ -16,7 +16,7 @@ import torch
 
 from cobatch.config import EngineConfig
 from cobatch.models.attention import AttentionMetadata, DecodeKernel, PrefillSpan
-from cobatch.models.llama import LlamaForCausalLM
+from cobatch.models.llama import LlamaForCausalLM, scope
 from cobatch.models.loader import load_model, resolve_model_path
 from cobatch.models.model_config import ModelConfig
 from cobatch.models.native import load_decode_kernel
@@ -26,6 +26,8 @@ from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
 _GIB = 1 << 30
 _DEFAULT_KV_CACHE_GIB = 4.0
 _DEFAULT_KV_CACHE_SHARE = 0.3  # of the memory available at start-up
+# The profiler labels of a step (models/llama.py and execute), in step order.
+PROFILE_SCOPES = ("embed+rope_tables", "norm", "qkv_proj+rope", "attention", "o_proj", "mlp", "lm_head")
 
 
 class ModelRunner:
@@ -55,6 +57,7 @@ class ModelRunner:
         self.decode_kernel = _decode_kernel(self.dtype, self.device) if native_attention else None
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests make steps fail
         self.last_timings: dict[str, float] = {}
+        self._profiling = False  # set only inside profile_step
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelRunner:
@@ -100,8 +103,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = prepare_batch(out.rows, self.block_size, self.device, self.decode_kernel, self.scratch_slot)
         t1 = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)  # [T, H]
-        logits = self.model.compute_logits(hidden[batch.sample_indices])  # [R, V] fp32
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
+                            self._profiling)  # [T, H]
+        with scope("lm_head", self._profiling):
+            logits = self.model.compute_logits(hidden[batch.sample_indices])  # [R, V] fp32
         t2 = time.perf_counter()
         sampled_rows = [row for row in out.rows if row.needs_sample]
         result = self.sampler(logits, sampled_rows, self.eos_token_ids) if sampled_rows else None
@@ -110,6 +115,27 @@ class ModelRunner:
         if result is None:
             return RunnerOutput((), ())
         return RunnerOutput(tuple(result.token_ids), tuple(result.logprobs))
+
+    def profile_step(self, out: SchedulerOutput) -> dict[str, float]:
+        """Execute `out` once under the torch profiler: seconds per part of the step, summed over layers.
+
+        Parts: prepare (inputs + metadata), each labelled part of the forward (models/llama.py scopes),
+        lm_head, sample, and "other" (the forward's time outside any label: Python glue, residual views).
+        """
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiling = True
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                self.execute(out)
+        finally:
+            self._profiling = False
+        parts = {"prepare": self.last_timings["prepare_s"]}
+        labelled = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key in PROFILE_SCOPES}
+        parts.update({name: labelled.get(name, 0.0) for name in PROFILE_SCOPES})
+        parts["other"] = max(0.0, self.last_timings["forward_s"] - sum(labelled.values()))
+        parts["sample"] = self.last_timings["sample_s"]
+        return parts
 
     def _swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         # Out first: this step's swap-ins and rows may reuse the device blocks just freed.
