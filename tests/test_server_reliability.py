@@ -73,7 +73,8 @@ def test_500_concurrent_requests_succeed_and_health_stays_fast(server: ServerPro
                for i, r in enumerate(responses))
     assert len(health) >= 3 and all(status == 200 for status, _ in health)
     assert max(seconds for _, seconds in health) < 1.0
-    wait_idle(httpx.Client(base_url=server.base_url))
+    with httpx.Client(base_url=server.base_url) as http:
+        wait_idle(http)
 
 
 def test_a_storm_of_impatient_clients_leaves_nothing_behind(server: ServerProcess,
@@ -151,7 +152,8 @@ def test_a_burst_over_the_queue_bound_gets_429s_and_the_rest_complete(bounded: S
     for _, response in refused:
         assert int(response.headers["Retry-After"]) >= 1
         assert response.json()["error"]["type"] == "rate_limit_error"
-    wait_idle(httpx.Client(base_url=bounded.base_url), timeout_s=10.0)
+    with httpx.Client(base_url=bounded.base_url) as http:
+        wait_idle(http, timeout_s=10.0)
 
 
 # ---- determinism through the server -----------------------------------------------------------------
