@@ -14,6 +14,7 @@ from cobatch.config import SchedulerConfig
 from cobatch.engine import Engine
 from cobatch.sampling_params import SamplingParams
 from tests.runner_helpers import runner_for, tiny_hf_model
+from tests.test_memory_pressure import one_torch_thread  # noqa: F401 - an autouse fixture
 
 MAX_MODEL_LEN = 64
 NEW_TOKENS = 20

@@ -18,6 +18,7 @@ from cobatch.engine import Engine
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import SchedulerOutput
 from tests.runner_helpers import runner_for, tiny_hf_model
+from tests.test_memory_pressure import one_torch_thread  # noqa: F401 - an autouse fixture
 from tests.test_async_engine import PROMPT, collect, make_engine, params, run, started
 
 VOCAB = 256

@@ -6,6 +6,8 @@ recompute and for swap. What could never fit is refused up front instead of wait
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -19,6 +21,16 @@ BLOCK_SIZE = 4
 BLOCKS_PER_SEQ = MAX_MODEL_LEN // BLOCK_SIZE
 SMALL_POOL = BLOCKS_PER_SEQ * 3 // 2  # about 1.5 maximal sequences
 MAX_STEPS = 20_000  # a livelock or preemption thrash shows up as hitting this
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The tiny model's ops are microseconds: with two intra-op threads on two busy shared cores,
+    OpenMP barriers made these tests 100x slower. One thread, restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
