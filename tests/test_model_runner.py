@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cobatch.config import EngineConfig
-from cobatch.runner.model_runner import ModelRunner
+from cobatch.runner.model_runner import PROFILE_SCOPES, ModelRunner
 from cobatch.scheduler_output import SchedulerOutput
 from tests.runner_helpers import BlockAllocator, hf_greedy, runner_for, step, tiny_hf_model
 
@@ -101,6 +101,16 @@ def test_padding_row_writes_no_kv(hf_model) -> None:
     assert runner.execute(SchedulerOutput((padding,))).sampled_token_ids == ()
     assert torch.equal(runner.kv_cache[:, :, :runner.num_kv_blocks], shifted)
     assert not torch.equal(shifted, before)
+
+
+def test_profile_step_splits_the_step_by_part(hf_model) -> None:
+    runner = runner_for(hf_model)
+    seqs = [BlockAllocator(runner.block_size).seq("r0", PROMPTS[0], 20)]
+    step(runner, [(seqs[0], None)])
+    parts = runner.profile_step(SchedulerOutput((seqs[0].row(1),)))
+    assert set(PROFILE_SCOPES) < set(parts) and {"prepare", "other", "sample"} < set(parts)
+    assert all(parts[name] > 0 for name in ("attention", "mlp", "qkv_proj+rope", "lm_head"))
+    assert not runner._profiling  # back to the unlabelled fast path
 
 
 # ----------------------------------------------------------------------------- the real default model

@@ -93,6 +93,32 @@ def print_step_time_split(result: RunResult) -> None:
         print(f"  scheduler share at batch {result.max_num_seqs}: {100 * share:.1f}% of {len(full)} steps")
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM), 0 where /proc is missing."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def print_memory(factory: EngineFactory, result: RunResult) -> None:
+    """Model bytes, KV bytes per token (from the model shape), the KV the run touched, and peak RSS."""
+    runner = factory.runner
+    model_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())  # type: ignore[attr-defined]
+    kv_per_token = runner.kv_bytes_per_token  # type: ignore[attr-defined]
+    block_size = factory.config.block_size
+    peak_blocks = max((s.num_kv_blocks_used for s in result.stats), default=0)
+    kv_peak = peak_blocks * block_size * kv_per_token
+    mib = 1 << 20
+    print(f"memory: model {model_bytes / mib:.0f} MiB, KV {kv_per_token} B/token "
+          f"({kv_per_token * block_size / 1024:.0f} KiB/block), peak KV in use {peak_blocks} blocks = "
+          f"{kv_peak / mib:.0f} MiB, peak RSS (VmHWM) {peak_rss_bytes() / mib:.0f} MiB "
+          f"= model + peak KV + {(peak_rss_bytes() - model_bytes - kv_peak) / mib:.0f} MiB")
+
+
 def main(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     requests = tokenize_text_prompts(workload_from_args(args), args.model)
@@ -113,6 +139,7 @@ def main(args: argparse.Namespace) -> int:
         print_run(result)
         if args.profile:
             print_step_time_split(result)
+            print_memory(factory, result)
         last, report = (result,), result.summary()
     if args.output_json:
         print(f"wrote {write_json(args.output_json, {'config': vars(args), 'result': report})}")

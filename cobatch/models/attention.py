@@ -129,15 +129,10 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_row = k_cache.view(-1, num_kv_heads, head_dim)[span.context_slots]  # [ctx, kvh, hd]
         v_row = v_cache.view(-1, num_kv_heads, head_dim)[span.context_slots]
-    k_row = _expand_kv(k_row, q.shape[1])  # [1, nh, ctx, hd]
-    v_row = _expand_kv(v_row, q.shape[1])
+    k_row = k_row.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]: a view, no copy
+    v_row = v_row.transpose(0, 1).unsqueeze(0)
+    # enable_gqa: each KV head serves its group of query heads without a repeat_interleave copy.
     out = F.scaled_dot_product_attention(q_row, k_row, v_row, attn_mask=span.mask,
-                                         is_causal=span.mask is None, scale=scale)
+                                         is_causal=span.mask is None, scale=scale,
+                                         enable_gqa=q.shape[1] != k_row.shape[1])
     return out.squeeze(0).transpose(0, 1)  # [n, nh, hd]
-
-
-def _expand_kv(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[ctx, kvh, hd] -> [1, nh, ctx, hd], each KV head repeated for its group of query heads."""
-    group = num_heads // kv.shape[1]
-    kv = kv.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
-    return kv.repeat_interleave(group, dim=1) if group > 1 else kv
