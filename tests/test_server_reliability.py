@@ -68,11 +68,13 @@ def test_500_concurrent_requests_succeed_and_health_stays_fast(server: ServerPro
             return responses, await health
 
     responses, health = asyncio.run(main())
-    assert [r.status_code for r in responses] == [200] * 500
+    statuses = [r.status_code for r in responses]
+    assert statuses == [200] * 500, {s: statuses.count(s) for s in set(statuses)}
     assert all(r.text.rstrip().endswith("[DONE]") if i % 5 == 0 else r.json()["choices"]
                for i, r in enumerate(responses))
-    assert len(health) >= 3 and all(status == 200 for status, _ in health)
-    assert max(seconds for _, seconds in health) < 1.0
+    assert len(health) >= 3 and all(status == 200 for status, _ in health), health
+    slowest = max(seconds for _, seconds in health)
+    assert slowest < 1.0, f"/health took {slowest:.2f} s under load ({len(health)} probes)"
     with httpx.Client(base_url=server.base_url) as http:
         wait_idle(http)
 
