@@ -21,7 +21,11 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# Not -ffast-math: linking with it pulls in crtfastmath, which sets FTZ/DAZ for the whole process
+# (denormals become 0, e.g. top_p=5e-324 compares equal to 0). These flags allow the same
+# vectorized reductions without touching the floating-point environment.
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+          "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _COMPILE_TIMEOUT_S = 120
 _DISABLE_ENV = "COBATCH_NO_NATIVE"  # set to 1 to force the pure-torch path (A/B measurements)
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
