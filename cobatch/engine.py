@@ -48,6 +48,7 @@ class StepStats:
     num_preempted: int
     num_generated_tokens: int  # useful tokens appended this step
     predicted_s: float  # the step-time model's prediction before the step (0 until fitted)
+    prefix_cache_hit_rate: float  # cumulative share of looked-up prompt tokens found in the cache
     row_request_ids: tuple[str, ...]  # who occupies each row: the "metro" timeline
 
 
@@ -188,6 +189,7 @@ class Engine:
             kv_usage=sched.block_manager.usage, num_preempted=output.num_preempted,
             num_generated_tokens=sum(len(d.new_token_ids) for d in deltas),
             predicted_s=predicted_s,
+            prefix_cache_hit_rate=sched.block_manager.prefix_cache_hit_rate,
             row_request_ids=tuple(r.request_id for r in output.rows)))
         self.num_steps += 1
 

@@ -62,12 +62,18 @@ def hf_continuous(hf: object, requests: list[BenchRequest], max_num_seqs: int) -
     manager.start()
     start = time.perf_counter()
     try:
-        ids = [manager.add_request(list(r.prompt_token_ids or ()), max_new_tokens=r.max_tokens)
-               for r in requests]
+        pending = {manager.add_request(list(r.prompt_token_ids or ()), max_new_tokens=r.max_tokens)
+                   for r in requests}
         generated = 0
-        for request_id in ids:
-            result = manager.get_result(request_id=request_id, timeout=600)
-            generated += len(result.generated_tokens) if result is not None else 0
+        # Take results in completion order: get_result(request_id=...) requeues other requests'
+        # results and returns None, which turns a run into a crawl of timeouts.
+        while pending:
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError(f"HF continuous batching stalled with {len(pending)} pending")
+            if result.is_finished() and result.request_id in pending:
+                pending.discard(result.request_id)
+                generated += len(result.generated_tokens)
     finally:
         manager.stop(block=True)
     return generated / (time.perf_counter() - start)
