@@ -24,7 +24,7 @@ StepTimePredictor = Callable[[int, int, int], float]
 
 # Fill steps only to this share of the SLO: a request's TPOT averages the steps it lives through, so a
 # batch filled exactly to the SLO would miss it about half the time (prediction error, machine noise).
-SLO_HEADROOM = 0.9
+SLO_HEADROOM = 0.95
 
 
 class SloStepBudget:
