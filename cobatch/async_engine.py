@@ -198,7 +198,7 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: object) -> AsyncEngine:
         """An AsyncEngine whose thread loads the model described by `config` when started."""
-        return cls(lambda: Engine.from_config(config), **kwargs)  # type: ignore[arg-type]
+        return cls(lambda: _load_for_serving(config), **kwargs)  # type: ignore[arg-type]
 
     # ---- lifecycle (event loop) ----------------------------------------------------------------
 
@@ -529,3 +529,10 @@ def _starve_scheduler(engine: Engine, until: float) -> None:
         return SchedulerOutput(rows=())
 
     scheduler.schedule = starved  # type: ignore[method-assign]
+
+
+def _load_for_serving(config: EngineConfig) -> Engine:
+    """Load the engine and make its KV pool resident, so the server's memory is flat from the start."""
+    engine = Engine.from_config(config)
+    engine.prefault_kv_cache()
+    return engine

@@ -75,6 +75,12 @@ class Engine:
             runner.num_kv_blocks, runner.num_swap_blocks, runner.max_model_len)
         return cls(runner, scheduler_config, stats_history)
 
+    def prefault_kv_cache(self) -> None:
+        """Make the KV pool resident before serving (see ModelRunner.prefault_kv_cache)."""
+        prefault = getattr(self.runner, "prefault_kv_cache", None)
+        if prefault is not None:
+            prefault()
+
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
