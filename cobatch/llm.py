@@ -46,8 +46,11 @@ class RequestOutput:
 class TextStream:
     """One sequence's text: incremental detokenization, then stop strings (partial matches held)."""
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams,
+                 prompt_token_ids: Sequence[int]) -> None:
+        # The prompt's tail is decoding context: the first token's leading space comes out right.
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                                  params.skip_special_tokens)
         self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
 
     def add(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
@@ -118,7 +121,7 @@ class LLM:
 
     def _run(self, outputs: list[RequestOutput], params: list[SamplingParams], use_tqdm: bool) -> None:
         by_id = {o.request_id: (o, sp) for o, sp in zip(outputs, params)}
-        streams = {(o.request_id, c.index): self._stream(sp)
+        streams = {(o.request_id, c.index): TextStream(self.tokenizer, sp, o.prompt_token_ids)
                    for o, sp in zip(outputs, params) for c in o.outputs}
         bar = tqdm(total=len(outputs), desc="generate", disable=not use_tqdm or len(outputs) < 2)
         remaining = sum(len(o.outputs) for o in outputs)
@@ -129,9 +132,6 @@ class LLM:
                 if output.finished:
                     bar.update(1)
         bar.close()
-
-    def _stream(self, params: SamplingParams) -> TextStream:
-        return TextStream(self.tokenizer, params)
 
     def _apply(self, output: RequestOutput, delta: RequestDelta, stream: TextStream) -> int:
         """Fold one delta into the output; returns 1 when that sequence has just finished."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -69,12 +69,11 @@ class GenerationTracker:
         text = seq.detokenizer.step(delta.new_token_ids)
         if delta.finished:
             text += seq.detokenizer.flush()
-        pending = seq.stop_checker.held + text
         emit, stopped = seq.stop_checker.process(text)
         logprobs = tuple(delta.new_logprobs)
         if stopped:
             seq.is_finished = True
-            stop = matched_stop(pending, self.params.stop)
+            stop = seq.stop_checker.hit
             if not delta.finished:  # the engine would go on generating: tell it to stop now
                 self.async_engine.stop_sequence(delta.request_id, stop)
             return ChoiceUpdate(delta.index, emit, len(delta.new_token_ids), logprobs, "stop", stop)
@@ -84,13 +83,6 @@ class GenerationTracker:
             return ChoiceUpdate(delta.index, emit, len(delta.new_token_ids), logprobs,
                                 delta.finish_reason, delta.stop_reason)
         return ChoiceUpdate(delta.index, emit, len(delta.new_token_ids), logprobs)
-
-
-def matched_stop(text: str, stops: Sequence[str]) -> str:
-    """Which stop string StopChecker found in `text`: the earliest, the longest on a tie."""
-    hits = [(i, s) for s in stops if s and (i := text.find(s)) >= 0]
-    assert hits, "StopChecker reported a stop that is not in the text"
-    return min(hits, key=lambda h: (h[0], -len(h[1])))[1]
 
 
 async def choice_updates(async_engine: AsyncEngine, request_id: str, stream: RequestStream,
