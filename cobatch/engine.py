@@ -59,8 +59,11 @@ class Engine:
                  stats_history: int | None = 4096) -> None:
         self.runner = runner
         self.config = scheduler_config
-        self.step_time_model = StepTimeModel()
-        self.scheduler = Scheduler(scheduler_config, self.step_time_model.predict)
+        self.step_time_model = StepTimeModel()  # every step
+        # Pure decode steps only: a prefill token costs a fraction of a decode row (GEMM efficiency),
+        # so one linear fit over both regimes misjudges the all-decoding batch the SLO seat check asks about.
+        self.decode_time_model = StepTimeModel()
+        self.scheduler = Scheduler(scheduler_config, self.predict_step_s)
         self.stats: deque[StepStats] = deque(maxlen=stats_history)
         self.num_steps = 0
         self._unfinished: dict[str, set[str]] = {}  # request id -> its unfinished sequence ids
@@ -163,9 +166,14 @@ class Engine:
         self._forget_finished(deltas)
         return deltas
 
+    def predict_step_s(self, num_rows: int, num_tokens: int, num_context_tokens: int) -> float:
+        """Predicted seconds of a step of this shape (0 until the models have seen enough steps)."""
+        if num_tokens == num_rows and self.decode_time_model.is_ready:
+            return self.decode_time_model.predict(num_rows, num_tokens, num_context_tokens)
+        return self.step_time_model.predict(num_rows, num_tokens, num_context_tokens)
+
     def _predict(self, output: SchedulerOutput) -> float:
-        rows, tokens, context = _shape(output)
-        return self.step_time_model.predict(rows, tokens, context)
+        return self.predict_step_s(*_shape(output))
 
     def _forget_finished(self, deltas: list[RequestDelta]) -> None:
         for delta in deltas:
@@ -180,6 +188,8 @@ class Engine:
         rows, tokens, context = _shape(output)
         if rows:
             self.step_time_model.observe(rows, tokens, context, end - start)
+            if tokens == rows:
+                self.decode_time_model.observe(rows, tokens, context, end - start)
         prefill = sum(r.num_new_tokens for r in output.rows
                       if r.num_computed_tokens < r.num_prompt_tokens and not r.is_padding)
         padding = sum(1 for r in output.rows if r.is_padding)

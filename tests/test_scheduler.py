@@ -302,3 +302,13 @@ def test_a_failed_step_fails_only_its_requests() -> None:
     engine.add_request("b", prompt(1, 3), params(2))
     run(engine, out)
     assert tokens_of(out["b"]) == expected(prompt(1, 3), 2)
+
+
+def test_decode_steps_are_predicted_by_the_decode_only_model() -> None:
+    engine = make_engine()
+    for rows in range(1, 12):  # decode: 10 ms + 2 ms per row; prefill: 1 ms + 0.1 ms per token
+        engine.decode_time_model.observe(rows, rows, 100 * rows, 0.010 + 0.002 * rows)
+        engine.step_time_model.observe(rows, rows, 100 * rows, 0.010 + 0.002 * rows)
+        engine.step_time_model.observe(1, 100 * rows, 100 * rows, 0.001 + 0.0001 * 100 * rows)
+    assert engine.predict_step_s(8, 8, 800) == pytest.approx(0.026, rel=0.02)
+    assert engine.predict_step_s(1, 500, 500) == engine.step_time_model.predict(1, 500, 500)
