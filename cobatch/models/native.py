@@ -1,6 +1,8 @@
-"""The native decode-attention kernel (csrc/paged_attention.c): built with the system C compiler at first
-use, cached per source and machine, loaded with ctypes; `None` wherever it cannot be built (then the
-pure-torch path runs).
+"""Native CPU kernels (csrc/*.c): built with the system C compiler at first use, cached per source and
+machine, loaded with ctypes; `None` wherever they cannot be built (then the pure-torch paths run).
+
+`build_library` is the shared build step; the paged attention kernel lives here, the fused elementwise
+ops in models/fused_ops.py.
 
 Why not torch.utils.cpp_extension: torch's headers make a build take a minute; this plain C file builds
 in about a second and needs nothing but gcc (or cc) with OpenMP.
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+_CSRC = Path(__file__).parent / "csrc"
 # Not -ffast-math: linking with it pulls in crtfastmath, which sets FTZ/DAZ for the whole process
 # (denormals become 0, e.g. top_p=5e-324 compares equal to 0). These flags allow the same
 # vectorized reductions without touching the floating-point environment.
@@ -63,19 +65,33 @@ class DecodeKernel:
 @lru_cache(maxsize=1)
 def load_decode_kernel() -> DecodeKernel | None:
     """The kernel, building it if needed; None when disabled, not on x86-64/Linux, or the build fails."""
-    if os.environ.get(_DISABLE_ENV, "") not in ("", "0") or platform.system() != "Linux":
+    lib = load_library("paged_attention")
+    try:
+        return DecodeKernel(lib) if lib is not None else None
+    except AttributeError:
+        return None
+
+
+def native_disabled() -> bool:
+    """COBATCH_NO_NATIVE=1 (A/B measurements), or not Linux: every native kernel stays off."""
+    return os.environ.get(_DISABLE_ENV, "") not in ("", "0") or platform.system() != "Linux"
+
+
+def load_library(name: str) -> ctypes.CDLL | None:
+    """csrc/<name>.c built and loaded; None when native code is disabled or the build fails."""
+    if native_disabled():
         return None
     try:
-        return DecodeKernel(ctypes.CDLL(str(_build())))
-    except (OSError, subprocess.SubprocessError, AttributeError):
+        return ctypes.CDLL(str(build_library(_CSRC / f"{name}.c")))
+    except (OSError, subprocess.SubprocessError):
         return None
 
 
-def _build() -> Path:
+def build_library(source_path: Path) -> Path:
     """Compile to a cache path keyed by source, flags and CPU; reuse it when present."""
-    source = _SOURCE.read_bytes()
+    source = source_path.read_bytes()
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
+    target = _cache_dir() / f"{source_path.stem}-{key}.so"
     if target.exists():
         return target
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -84,7 +100,7 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], check=True,
+        subprocess.run([compiler, *_FLAGS, str(source_path), "-o", str(built), "-lm"], check=True,
                        capture_output=True, timeout=_COMPILE_TIMEOUT_S)
         os.replace(built, target)  # atomic: concurrent builders never load a half-written file
     return target

@@ -1,0 +1,28 @@
+"""Step microbench for kernel work: median ms of a 12x170-token prefill step and of decode steps at B=1,8,32,64
+(ctx 256), bf16, NT threads (default 2); --profile adds the per-part split. Not a benchmark of record
+(see `cobatch bench`): a quick A/B tool while changing kernels."""
+import sys, time, statistics, os
+import torch
+from cobatch.config import EngineConfig
+from cobatch.runner.model_runner import ModelRunner
+from cobatch.bench.steps import decode_step, GREEDY
+from cobatch.scheduler_output import ScheduledRow, SchedulerOutput
+prof = "--profile" in sys.argv
+torch.set_num_threads(int(os.environ.get("NT", "2")))
+r = ModelRunner.load(EngineConfig(dtype="bfloat16", num_kv_blocks=2400, max_model_len=1024))
+def prefill(n=12, L=170):
+    rows = tuple(ScheduledRow(request_id=f"p{i}", token_ids=list(range(1000+i, 1000+i+L)), num_prompt_tokens=L,
+        num_computed_tokens=0, num_new_tokens=L, block_table=list(range(i*11, i*11+11)), sampling_params=GREEDY,
+        needs_sample=True) for i in range(n))
+    return SchedulerOutput(rows=rows)
+cases = [("prefill12x170", prefill())] + [(f"decode B={b}", decode_step(b, 256, 16, 2400)) for b in (1, 8, 32, 64)]
+for name, out in cases:
+    r.execute(out)
+    ts = []
+    for _ in range(5 if "decode" in name else 3):
+        t = time.perf_counter(); r.execute(out); ts.append(time.perf_counter() - t)
+    line = f"{name:>15}: {1000*statistics.median(ts):8.1f} ms (min {1000*min(ts):.1f})"
+    if prof:
+        parts = r.profile_step(out)
+        line += "  | " + " ".join(f"{k}={1000*v:.1f}" for k, v in parts.items())
+    print(line, flush=True)
