@@ -8,8 +8,12 @@ from cobatch.runner.model_runner import ModelRunner
 from cobatch.bench.steps import decode_step, GREEDY
 from cobatch.scheduler_output import ScheduledRow, SchedulerOutput
 prof = "--profile" in sys.argv
+eager_ops = "--eager-ops" in sys.argv  # the torch path of norm/rope/SiLU instead of the fused kernels
 torch.set_num_threads(int(os.environ.get("NT", "2")))
 r = ModelRunner.load(EngineConfig(dtype="bfloat16", num_kv_blocks=2400, max_model_len=1024))
+if eager_ops:
+    from cobatch.models.fused_ops import EAGER
+    r.model.ops = EAGER
 def prefill(n=12, L=170):
     rows = tuple(ScheduledRow(request_id=f"p{i}", token_ids=list(range(1000+i, 1000+i+L)), num_prompt_tokens=L,
         num_computed_tokens=0, num_new_tokens=L, block_table=list(range(i*11, i*11+11)), sampling_params=GREEDY,

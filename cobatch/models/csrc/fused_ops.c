@@ -1,0 +1,162 @@
+/* Fused elementwise ops of the decoder layer: residual add + RMSNorm, SiLU-and-multiply, RoPE in place.
+ *
+ * Why: in eager torch each of these is 4-8 small ops (casts, reductions, temporaries); a decode step at
+ * small batch spends more time dispatching them than computing, and a 2k-token prefill streams every
+ * intermediate through memory. Here each is one pass.
+ *
+ * Rounding follows the torch ops they replace step by step (HF's formulas in the model dtype: every
+ * bf16 op rounds its result to bf16), so the fused path gives the same bits as the eager one in bf16,
+ * and differs only in fp32 summation order inside the norm.
+ *
+ * Layouts: row-major, contiguous rows; dtype flag is_bf16 (else fp32). Built by native.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ROPE_MAX_HALF 256  /* head_dim <= 512; fused_ops.py falls back to torch beyond */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept NaN, like torch */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Value i of a row as fp32, and storing one rounded to the row's dtype. */
+static inline float load(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float v, int is_bf16) {
+    if (is_bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* The model dtype's rounding of an fp32 value (identity for fp32). */
+static inline float round_to(float v, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* exp(x) for SiLU, written so the compiler vectorises it (libm's expf is a scalar call here: no
+ * -ffast-math, see native.py): 2^k * 2^f with k = rint(x log2 e), |f| <= 1/2, and a degree-7 Taylor
+ * polynomial of 2^f (relative error ~5e-9, below fp32's 6e-8). Inputs are clamped to fp32's range. */
+static inline float exp_vec(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float t = x * 1.44269504088896341f;
+    float k = __builtin_rintf(t);
+    float f = (t - k) * 0.69314718055994531f;  /* e^f, |f| <= ln2 / 2 */
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 +
+              f * (1.0f / 720 + f * (1.0f / 5040)))))));
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Each op is an always-inlined row body with is_bf16 as a parameter; the exported entry point runs its
+ * row loop once per dtype with a constant flag, so the compiler specialises (and vectorises) one copy per
+ * dtype. (A flag tested inside one OpenMP region would not do: the region is outlined before inlining.) */
+#define SPECIALISE static inline __attribute__((always_inline))
+#define PARALLEL_ROWS(rows, work)                                                  \
+    int parallel = (work) >= 65536; /* small steps: a thread fork costs more */    \
+    _Pragma("omp parallel for schedule(static) if (parallel)")                      \
+    for (int64_t r = 0; r < (rows); r++)
+#define FOR_EACH_DTYPE(rows, work, row_call) \
+    do {                                      \
+        if (is_bf16) {                        \
+            PARALLEL_ROWS(rows, work) row_call(1); \
+        } else {                              \
+            PARALLEL_ROWS(rows, work) row_call(0); \
+        }                                     \
+    } while (0)
+
+/* Row r: residual += x (rounded to the dtype), then out = weight * dtype(residual * rsqrt(mean(sq) + eps)). */
+SPECIALISE void add_rms_norm_row(const void *restrict x, void *restrict residual, const void *restrict weight,
+                                 void *restrict out, int64_t r, int64_t hidden, float eps, int is_bf16) {
+    int64_t base = r * hidden;
+    float sum_sq = 0.0f;
+    for (int64_t i = 0; i < hidden; i++) {
+        float v = load(residual, base + i, is_bf16);
+        if (x != NULL) {
+            v = round_to(v + load(x, base + i, is_bf16), is_bf16);
+            store(residual, base + i, v, is_bf16);
+        }
+        sum_sq += v * v;
+    }
+    float inv_rms = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
+    for (int64_t i = 0; i < hidden; i++) {
+        float normed = round_to(load(residual, base + i, is_bf16) * inv_rms, is_bf16);
+        store(out, base + i, load(weight, i, is_bf16) * normed, is_bf16);
+    }
+}
+
+/* All [rows, hidden], weight [hidden]; x may be NULL: plain RMSNorm of residual. */
+void add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t hidden,
+                  float eps, int is_bf16) {
+#define NORM_ROW(bf16) add_rms_norm_row(x, residual, weight, out, r, hidden, eps, bf16)
+    FOR_EACH_DTYPE(rows, rows * hidden, NORM_ROW);
+}
+
+/* Row r of gate_up [rows, 2 * inter] (gate | up) -> out [rows, inter] = dtype(silu(gate)) * up. */
+SPECIALISE void silu_mul_row(const void *restrict gate_up, void *restrict out, int64_t r, int64_t inter,
+                             int is_bf16) {
+    int64_t in_base = r * 2 * inter, out_base = r * inter;
+    for (int64_t i = 0; i < inter; i++) {
+        float g = load(gate_up, in_base + i, is_bf16);
+        float silu = round_to(g / (1.0f + exp_vec(-g)), is_bf16);  /* NaN gate stays NaN */
+        store(out, out_base + i, silu * load(gate_up, in_base + inter + i, is_bf16), is_bf16);
+    }
+}
+
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int is_bf16) {
+#define SILU_ROW(bf16) silu_mul_row(gate_up, out, r, inter, bf16)
+    FOR_EACH_DTYPE(rows, rows * inter, SILU_ROW);
+}
+
+/* One head's halves x1 = x[lo..lo+half), x2 = x[hi..hi+half) rotated by the table row at `table`.
+ * Staged through fp32 arrays: in-place reads and writes of one buffer defeat the vectoriser. */
+SPECIALISE void rotate_head(void *restrict x, int64_t lo, int64_t hi, const void *restrict cos_table,
+                            const void *restrict sin_table, int64_t table, int64_t half, int is_bf16) {
+    float x1[ROPE_MAX_HALF], x2[ROPE_MAX_HALF], a[ROPE_MAX_HALF], b[ROPE_MAX_HALF];
+    for (int64_t i = 0; i < half; i++) {
+        x1[i] = load(x, lo + i, is_bf16);
+        x2[i] = load(x, hi + i, is_bf16);
+    }
+    for (int64_t i = 0; i < half; i++) {
+        float c = load(cos_table, table + i, is_bf16), s = load(sin_table, table + i, is_bf16);
+        a[i] = round_to(x1[i] * c, is_bf16) - round_to(x2[i] * s, is_bf16);
+        b[i] = round_to(x2[i] * c, is_bf16) + round_to(x1[i] * s, is_bf16);
+    }
+    for (int64_t i = 0; i < half; i++) {
+        store(x, lo + i, a[i], is_bf16);
+        store(x, hi + i, b[i], is_bf16);
+    }
+}
+
+/* Rotate-half RoPE in place on the first num_heads heads of each token's row of x.
+ * x: rows of row_stride elements, head h at [h * head_dim, (h + 1) * head_dim); cos/sin tables
+ * [max_pos, head_dim / 2] in the same dtype; positions [rows] int64.
+ * out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin, each product and sum rounded like torch's ops. */
+/* Row r: RoPE on its first num_heads heads. */
+SPECIALISE void rope_row(void *restrict x, const void *restrict cos_table, const void *restrict sin_table,
+                         const int64_t *restrict positions, int64_t r, int64_t row_stride, int64_t num_heads,
+                         int64_t head_dim, int is_bf16) {
+    int64_t half = head_dim / 2, table = positions[r] * half;
+    for (int64_t h = 0; h < num_heads; h++) {
+        int64_t base = r * row_stride + h * head_dim;
+        rotate_head(x, base, base + half, cos_table, sin_table, table, half, is_bf16);
+    }
+}
+
+void rope_inplace(void *x, const void *cos_table, const void *sin_table, const int64_t *positions,
+                  int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim, int is_bf16) {
+#define ROPE_ROW(bf16) rope_row(x, cos_table, sin_table, positions, r, row_stride, num_heads, head_dim, bf16)
+    FOR_EACH_DTYPE(rows, rows * num_heads * head_dim, ROPE_ROW);
+}

@@ -1,0 +1,103 @@
+"""Fused elementwise ops of the decoder layer (csrc/fused_ops.c), with eager-torch equivalents.
+
+`FusedOps` calls the native kernels when they are built and the tensors are contiguous CPU fp32/bf16;
+otherwise (GPU, fp16, COBATCH_NO_NATIVE=1, no compiler) the same functions run as plain torch ops. Both
+paths round like HF's formulas in the model dtype, so bf16 results agree bit for bit (tests check it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from cobatch.models.native import load_library
+
+_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_ROPE_MAX_HEAD_DIM = 512  # ROPE_MAX_HALF in csrc/fused_ops.c
+_I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back, like the HF reference: [T, H] -> [T, H]."""
+    # The weight multiply stays in the model dtype, as in HF.
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up: [T, 2 I] -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               num_heads: int, head_dim: int) -> None:
+    """Rotate-half RoPE (HF layout) in place on the first `num_heads` heads of each row of x [T, >= nh hd]."""
+    heads = x[:, :num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, hd / 2]
+    x1, x2 = heads.chunk(2, dim=-1)
+    heads.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
+class FusedOps:
+    """add_rms_norm, silu_mul and rope for one model dtype: native where possible, else eager torch."""
+
+    def __init__(self, lib: ctypes.CDLL | None) -> None:
+        self._lib = lib
+        if lib is not None:
+            lib.add_rms_norm.argtypes = [_PTR] * 4 + [_I64, _I64, _FLOAT, _INT]
+            lib.silu_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
+            lib.rope_inplace.argtypes = [_PTR] * 4 + [_I64] * 4 + [_INT]
+            for fn in (lib.add_rms_norm, lib.silu_mul, lib.rope_inplace):
+                fn.restype = None
+
+    @property
+    def native(self) -> bool:
+        return self._lib is not None
+
+    def _use_native(self, *tensors: torch.Tensor) -> bool:
+        return self._lib is not None and all(
+            t.device.type == "cpu" and t.dtype in _NATIVE_DTYPES and t.is_contiguous() for t in tensors)
+
+    def add_rms_norm(self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """residual += x in place (when x is given), then return RMSNorm(residual) * weight: [T, H]."""
+        if not self._use_native(residual, weight, *(() if x is None else (x,))):
+            if x is not None:
+                residual.add_(x)
+            return rms_norm(residual, weight, eps)
+        out = torch.empty_like(residual)
+        self._lib.add_rms_norm(None if x is None else x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                               out.data_ptr(), residual.shape[0], residual.shape[1], eps,
+                               _NATIVE_DTYPES[residual.dtype])
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up: [T, 2 I] -> [T, I]."""
+        if not self._use_native(gate_up):
+            return silu_mul_torch(gate_up)
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self._lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _NATIVE_DTYPES[gate_up.dtype])
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+             num_heads: int, head_dim: int) -> None:
+        """RoPE in place on the first `num_heads` heads of each row of x [T, W]; cos/sin [max_pos, hd / 2]."""
+        if (not self._use_native(x, cos, sin) or head_dim > _ROPE_MAX_HEAD_DIM
+                or positions.dtype != torch.int64 or not positions.is_contiguous()):
+            rope_torch(x, cos, sin, positions, num_heads, head_dim)
+            return
+        self._lib.rope_inplace(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                               x.shape[0], x.shape[1], num_heads, head_dim, _NATIVE_DTYPES[x.dtype])
+
+
+@lru_cache(maxsize=1)
+def fused_ops() -> FusedOps:
+    """The process's fused ops: native when csrc/fused_ops.c builds here, eager torch otherwise."""
+    return FusedOps(load_library("fused_ops"))
+
+
+EAGER = FusedOps(None)  # the pure-torch path (tests, A/B)

@@ -1,0 +1,76 @@
+"""Native fused ops (norm, SiLU-multiply, RoPE) against their eager-torch definitions."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cobatch.models import fused_ops as fused_ops_module
+from cobatch.models.fused_ops import EAGER, fused_ops
+from cobatch.models.llama import rope_tables
+
+NATIVE = fused_ops()
+pytestmark = pytest.mark.skipif(not NATIVE.native, reason="native fused ops not built here")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture
+def no_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls made after this point must take the native path: the eager helpers raise."""
+    def boom(*args: object, **kwargs: object) -> None:
+        raise AssertionError("fell back to the eager path")
+    for name in ("rms_norm", "silu_mul_torch", "rope_torch"):
+        monkeypatch.setattr(fused_ops_module, name, boom)
+
+
+def _check(native: torch.Tensor, eager: torch.Tensor) -> None:
+    if native.dtype == torch.bfloat16:  # same rounding steps: equal but for rare 1-ulp exp/rsqrt ties
+        diff = (native.float() - eager.float()).abs()
+        ulp = eager.float().abs().clamp_min(1e-30) * 2 ** -7
+        assert (diff <= ulp).all() and (diff > 0).float().mean() < 0.01
+    else:
+        torch.testing.assert_close(native, eager, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_rms_norm(dtype: torch.dtype, rows: int, with_x: bool, request: pytest.FixtureRequest) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype) if with_x else None
+    residual = (3 * torch.randn(rows, 96, generator=g)).to(dtype)
+    weight = torch.randn(96, generator=g).to(dtype)
+    res_native, res_eager = residual.clone(), residual.clone()
+    out_eager = EAGER.add_rms_norm(x, res_eager, weight, 1e-5)
+    request.getfixturevalue("no_fallback")
+    out_native = NATIVE.add_rms_norm(x, res_native, weight, 1e-5)
+    assert torch.equal(res_native, res_eager)  # the residual add rounds identically
+    _check(out_native, out_eager)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 200])
+def test_silu_mul(dtype: torch.dtype, rows: int, request: pytest.FixtureRequest) -> None:
+    gate_up = (4 * torch.randn(rows, 2 * 160, generator=torch.Generator().manual_seed(rows))).to(dtype)
+    eager = EAGER.silu_mul(gate_up)
+    request.getfixturevalue("no_fallback")
+    _check(NATIVE.silu_mul(gate_up), eager)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_rope_in_place_on_q_and_k_only(dtype: torch.dtype, head_dim: int, request: pytest.FixtureRequest) -> None:
+    config = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_scaling=None)
+    cos, sin = rope_tables(config, 64, dtype, "cpu")  # type: ignore[arg-type]
+    rows, width = 9, (4 + 2 * 2) * head_dim  # q | k | v
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(head_dim)).to(dtype)
+    positions = torch.tensor([0, 1, 2, 63, 5, 5, 17, 30, 8])
+    native, eager = x.clone(), x.clone()
+    EAGER.rope(eager, cos, sin, positions, 6, head_dim)
+    request.getfixturevalue("no_fallback")
+    NATIVE.rope(native, cos, sin, positions, 6, head_dim)
+    _check(native, eager)
+    assert torch.equal(native[:, 6 * head_dim:], x[:, 6 * head_dim:])  # v untouched
+    assert torch.equal(native[0], x[0]) and not torch.equal(native[1, :head_dim], x[1, :head_dim])  # pos 0: identity
