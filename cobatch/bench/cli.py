@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "offline": ("offline", "engine throughput on a workload; static vs continuous (--compare)"),
     "serve": ("serve", "HTTP load generator for any OpenAI-compatible server"),
     "steps": ("steps", "decode step time vs batch size and context; T(B, ctx) fit"),
+    "roofline": ("roofline", "decode tokens/s as a share of this machine's roofline for the weights"),
     "timeline": ("timeline_cli", "the metro plot: batch rows over time, static vs continuous"),
     "claims": ("claims", "measure every seed claim; writes docs/BENCHMARKS.md and docs/img/"),
     "peers": ("peers", "HF transformers static generate and continuous batching vs cobatch"),

@@ -1,0 +1,135 @@
+"""`cobatch bench roofline`: decode throughput against this machine's roofline for the model's weights.
+
+A decode step at batch B must read every weight once (bandwidth bound: weight bytes / read bandwidth)
+and do 2 FLOPs per weight per row (compute bound: B x FLOPs per token / GEMM peak). The roofline
+throughput is B / max(the two times); a measured step is reported as a share of it. Both machine figures
+are measured here, in this process, with the same thread count as the steps:
+
+- GEMM peak: the best rate of the model's own linear shapes at a large M (weights hot in cache);
+- read bandwidth: a reduction over a tensor far larger than the last-level cache.
+
+Attention is not in the roofline (it reads the KV cache, which grows with context); steps are measured
+at the given contexts, so a long context shows as a lower share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from cobatch.bench.common import add_engine_arguments, engine_config_from_args, write_json
+from cobatch.bench.steps import decode_step, time_step
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """Measured machine figures for one dtype and thread count."""
+
+    gemm_flops_per_s: float
+    read_bytes_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCost:
+    """What one decode token costs in weights: bytes read per step (once for the batch), FLOPs per row."""
+
+    weight_bytes: int
+    flops_per_token: int
+
+
+def roofline_tokens_per_s(cost: ModelCost, machine: Machine, batch_size: int) -> float:
+    """B / max(bandwidth-bound step time, compute-bound step time)."""
+    bandwidth_s = cost.weight_bytes / machine.read_bytes_per_s
+    compute_s = batch_size * cost.flops_per_token / machine.gemm_flops_per_s
+    return batch_size / max(bandwidth_s, compute_s)
+
+
+def model_cost(model: object) -> ModelCost:
+    """Bytes and FLOPs of the matmul weights a decode step reads (every layer's projections + lm_head).
+
+    The embedding table is read one row per token; when lm_head is tied to it, it is counted once as
+    lm_head. Norm weights are negligible.
+    """
+    lm_head, embed = model.lm_head, model.embed_tokens  # type: ignore[attr-defined]
+    matmul = [p for p in model.parameters()  # type: ignore[attr-defined]  (tied weights come once)
+              if p.dim() == 2 and (p is lm_head or p is not embed)]
+    return ModelCost(weight_bytes=sum(p.numel() * p.element_size() for p in matmul),
+                     flops_per_token=2 * sum(p.numel() for p in matmul))
+
+
+def _best_rate(work: float, fn: Callable[[], object], reps: int) -> float:
+    """work / the fastest of `reps` runs (after one warm-up): the peak, not the typical, rate."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return work / best
+
+
+def measure_machine(model: object, reps: int = 10, m: int = 1024, bandwidth_bytes: int = 1 << 29) -> Machine:
+    """GEMM peak over the model's own weight shapes at M=m, and the read bandwidth of a large sum."""
+    import torch
+    import torch.nn.functional as F
+
+    shapes = {tuple(p.shape): p for p in model.parameters() if p.dim() == 2}  # type: ignore[attr-defined]
+    peak = 0.0
+    for (n, k), weight in shapes.items():
+        if n > 8192:  # lm_head / embeddings: not a useful GEMM peak probe at M=m (too big for cache)
+            continue
+        x = torch.randn(m, k, dtype=weight.dtype)
+        peak = max(peak, _best_rate(2.0 * m * n * k, lambda: F.linear(x, weight), reps))
+    big = torch.ones(bandwidth_bytes // 4, dtype=torch.float32)
+    bandwidth = _best_rate(float(bandwidth_bytes), big.sum, reps)
+    return Machine(gemm_flops_per_s=peak, read_bytes_per_s=bandwidth)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser, max_num_seqs=64)
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--contexts", default="64,256", help="context lengths of the measured steps")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--output-json", default=None)
+
+
+def main(args: argparse.Namespace) -> int:
+    from cobatch.runner.model_runner import ModelRunner
+
+    config = engine_config_from_args(args)
+    runner = ModelRunner.load(config)
+    cost = model_cost(runner.model)
+    machine = measure_machine(runner.model)
+    print(f"machine ({runner.dtype}, {_threads()} threads): GEMM peak {machine.gemm_flops_per_s / 1e9:.0f} "
+          f"GFLOP/s, read bandwidth {machine.read_bytes_per_s / 1e9:.1f} GB/s")
+    print(f"model: {cost.weight_bytes / 2**20:.0f} MiB of matmul weights, "
+          f"{cost.flops_per_token / 1e6:.0f} MFLOP per token")
+    rows = []
+    for context_len in (int(c) for c in args.contexts.split(",")):
+        for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+            step = decode_step(batch_size, context_len, config.block_size, runner.num_kv_blocks)
+            step_s = time_step(runner, step, args.reps)
+            ceiling = roofline_tokens_per_s(cost, machine, batch_size)
+            rows.append({"batch_size": batch_size, "context_len": context_len, "step_ms": 1000 * step_s,
+                         "tokens_per_s": batch_size / step_s, "roofline_tokens_per_s": ceiling,
+                         "share_of_roofline": batch_size / step_s / ceiling})
+            r = rows[-1]
+            print(f"  B={batch_size:>3} ctx={context_len:>5}: {r['step_ms']:7.1f} ms  "
+                  f"{r['tokens_per_s']:7.1f} tok/s  roofline {ceiling:7.1f} tok/s  "
+                  f"= {100 * r['share_of_roofline']:5.1f}%", flush=True)
+    if args.output_json:
+        result = {"machine": {"gemm_gflops": machine.gemm_flops_per_s / 1e9,
+                              "read_gb_per_s": machine.read_bytes_per_s / 1e9, "threads": _threads()},
+                  "model": {"weight_bytes": cost.weight_bytes, "flops_per_token": cost.flops_per_token},
+                  "steps": rows, "median_share": statistics.median(r["share_of_roofline"] for r in rows)}
+        print(f"wrote {write_json(args.output_json, result)}")
+    return 0
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
