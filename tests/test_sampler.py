@@ -135,3 +135,19 @@ def test_logprobs_rank_and_top() -> None:
     assert [v for _, v in lp.top] == pytest.approx([expected[1].item(), expected[2].item()])
     zero = Sampler(0)(logits[:1], [row(SamplingParams(temperature=0.0, logprobs=0))]).logprobs[0]
     assert zero.top == () and zero.rank == 1
+
+
+def test_greedy_fast_path_matches_the_full_path() -> None:
+    """All-greedy batches take a one-pass argmax; it must agree with the full pipeline, -inf and NaN included."""
+    from cobatch.runner import sampler as sampler_module
+
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
+    logits[1, :45] = float("-inf")
+    logits[3, 7] = float("nan")  # a NaN row: the fast path must step aside (NaN -> -inf in the full path)
+    logits[4, 9] = float("inf")
+    rows = [row(SamplingParams(temperature=0.0)) for _ in range(5)]
+    fast = Sampler()(logits, rows).token_ids
+    full_rows = [row(SamplingParams(temperature=0.0, logprobs=0)) for _ in range(5)]  # forces the full path
+    assert not any(sampler_module._is_plain_greedy(r) for r in full_rows)
+    assert fast == Sampler()(logits, full_rows).token_ids
+    assert fast[4] == 9 and fast[3] == int(torch.nan_to_num(logits[3], nan=float("-inf")).argmax())

@@ -39,6 +39,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[ScheduledRow],
                  eos_token_ids: Sequence[int] = ()) -> SamplerOutput:
         """logits [R, V] fp32 for `rows` (in order) -> one token id per row."""
+        if all(_is_plain_greedy(row) for row in rows):
+            # Fast path (one pass over the logits): when every row's max is finite there is no NaN or
+            # +inf to sanitize and nothing else to apply, so the argmax is what the full path returns.
+            best, token_ids = logits.max(dim=-1)
+            if bool(torch.isfinite(best).all()):
+                return SamplerOutput(token_ids.tolist(), [None] * len(rows))
         params = [row.sampling_params for row in rows]
         raw = sanitize_logits(logits)  # [R, V]
         processed = apply_penalties(raw, rows)
@@ -68,6 +74,13 @@ class Sampler:
         # A zero draw would turn 0 / 0 into NaN, which argmax would pick: keep E strictly positive.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
+
+
+def _is_plain_greedy(row: ScheduledRow) -> bool:
+    """Greedy with nothing that changes the logits (penalties, bias, min_tokens) and no logprobs."""
+    p = row.sampling_params
+    return (p.is_greedy and not p.has_penalties and not p.logit_bias and p.logprobs is None
+            and row.num_output_tokens >= p.min_tokens)
 
 
 def _row_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
