@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from cobatch.bench.roofline import Machine, ModelCost, model_cost, roofline_tokens_per_s
+from cobatch.bench.roofline import Machine, ModelCost, ideal_schedule_s, model_cost, roofline_tokens_per_s
 from tests.runner_helpers import runner_for, tiny_hf_model
 
 
 def test_roofline_is_bandwidth_bound_at_small_batch_and_compute_bound_at_large() -> None:
-    cost = ModelCost(weight_bytes=100, flops_per_token=50)  # 100 B per step, 50 FLOP per row
+    cost = ModelCost(weight_bytes=100, flops_per_token=50, lm_head_flops=10)  # 100 B per step, 50 FLOP per row
     machine = Machine(gemm_flops_per_s=1000.0, read_bytes_per_s=100.0)  # 1 s to read the weights
     assert roofline_tokens_per_s(cost, machine, 1) == pytest.approx(1.0)  # bandwidth: 1 row per 1 s
     assert roofline_tokens_per_s(cost, machine, 20) == pytest.approx(20.0)  # the knee: 20 x 50 / 1000 = 1 s
@@ -26,3 +26,12 @@ def test_model_cost_counts_every_matmul_weight_once(tied: bool) -> None:
     cost = model_cost(runner.model)
     assert cost.flops_per_token == 2 * params
     assert cost.weight_bytes == 4 * params  # fp32
+    assert cost.lm_head_flops == 2 * c.vocab_size * c.hidden_size
+
+
+def test_ideal_schedule_prefills_at_peak_then_decodes_the_shrinking_batch() -> None:
+    cost = ModelCost(weight_bytes=100, flops_per_token=50, lm_head_flops=10)
+    machine = Machine(gemm_flops_per_s=1000.0, read_bytes_per_s=100.0)
+    # Prefill: 30 prompt tokens x 40 FLOP + 2 sampled x 10 = 1220 FLOP = 1.22 s. Decode: outputs 1 and 3
+    # -> steps 1 and 2 with one request each (the first token comes with the prefill), 1 s each.
+    assert ideal_schedule_s(cost, machine, [10, 20], [1, 3]) == pytest.approx(1.22 + 2.0)

@@ -10,6 +10,11 @@ are measured here, in this process, with the same thread count as the steps:
 
 Attention is not in the roofline (it reads the KV cache, which grows with context); steps are measured
 at the given contexts, so a long context shows as a lower share.
+
+With `--workload`, the same figures give the ceiling of a whole offline run (issue 5's "ideal
+schedule"): every prompt token at the GEMM peak (lm_head only for the last one), then one decode step per
+output position with the true shrinking batch (requests still generating), each at its roofline time.
+The engine then runs that workload and its useful tokens/s is reported as a share of the ceiling.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from cobatch.bench.common import add_engine_arguments, engine_config_from_args, write_json
+from cobatch.bench.common import (add_engine_arguments, add_workload_arguments, engine_config_from_args,
+                                  workload_from_args, write_json)
 from cobatch.bench.steps import decode_step, time_step
 
 
@@ -38,6 +44,7 @@ class ModelCost:
 
     weight_bytes: int
     flops_per_token: int
+    lm_head_flops: int  # part of flops_per_token: a prefill token that samples nothing skips it
 
 
 def roofline_tokens_per_s(cost: ModelCost, machine: Machine, batch_size: int) -> float:
@@ -57,7 +64,20 @@ def model_cost(model: object) -> ModelCost:
     matmul = [p for p in model.parameters()  # type: ignore[attr-defined]  (tied weights come once)
               if p.dim() == 2 and (p is lm_head or p is not embed)]
     return ModelCost(weight_bytes=sum(p.numel() * p.element_size() for p in matmul),
-                     flops_per_token=2 * sum(p.numel() for p in matmul))
+                     flops_per_token=2 * sum(p.numel() for p in matmul), lm_head_flops=2 * lm_head.numel())
+
+
+def ideal_schedule_s(cost: ModelCost, machine: Machine, prompt_lens: list[int], output_lens: list[int]) -> float:
+    """Seconds an ideal engine needs for an offline workload (all requests at once): prefill at the GEMM
+    peak, then decode step s with every request that still has more than s tokens to produce, each step
+    at its roofline time. The first output token comes with the prefill."""
+    prefill_flops = sum(prompt_lens) * (cost.flops_per_token - cost.lm_head_flops) \
+        + len(prompt_lens) * cost.lm_head_flops
+    seconds = prefill_flops / machine.gemm_flops_per_s
+    for step in range(1, max(output_lens, default=0)):
+        batch_size = sum(1 for n in output_lens if n > step)
+        seconds += batch_size / roofline_tokens_per_s(cost, machine, batch_size)
+    return seconds
 
 
 def _best_rate(work: float, fn: Callable[[], object], reps: int) -> float:
@@ -94,6 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", default="64,256", help="context lengths of the measured steps")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--output-json", default=None)
+    add_workload_arguments(parser, default="")
+    parser.add_argument("--skip-run", action="store_true", help="with --workload: the ceiling only")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -120,13 +142,39 @@ def main(args: argparse.Namespace) -> int:
             print(f"  B={batch_size:>3} ctx={context_len:>5}: {r['step_ms']:7.1f} ms  "
                   f"{r['tokens_per_s']:7.1f} tok/s  roofline {ceiling:7.1f} tok/s  "
                   f"= {100 * r['share_of_roofline']:5.1f}%", flush=True)
+    result = {"machine": {"gemm_gflops": machine.gemm_flops_per_s / 1e9,
+                          "read_gb_per_s": machine.read_bytes_per_s / 1e9, "threads": _threads()},
+              "model": {"weight_bytes": cost.weight_bytes, "flops_per_token": cost.flops_per_token},
+              "steps": rows, "median_share": statistics.median(r["share_of_roofline"] for r in rows)}
+    if args.workload or args.dataset:
+        result["workload"] = run_against_ceiling(args, runner, cost, machine)
     if args.output_json:
-        result = {"machine": {"gemm_gflops": machine.gemm_flops_per_s / 1e9,
-                              "read_gb_per_s": machine.read_bytes_per_s / 1e9, "threads": _threads()},
-                  "model": {"weight_bytes": cost.weight_bytes, "flops_per_token": cost.flops_per_token},
-                  "steps": rows, "median_share": statistics.median(r["share_of_roofline"] for r in rows)}
         print(f"wrote {write_json(args.output_json, result)}")
     return 0
+
+
+def run_against_ceiling(args: argparse.Namespace, runner: object, cost: ModelCost, machine: Machine) -> dict:
+    """The workload's ideal-schedule ceiling, and (unless --skip-run) the engine's run as a share of it."""
+    from cobatch.bench.runs import EngineFactory, run_workload, warm_up
+
+    requests = workload_from_args(args)
+    prompt_lens = [r.num_prompt_tokens for r in requests]
+    output_lens = [r.max_tokens for r in requests]
+    ideal_s = ideal_schedule_s(cost, machine, prompt_lens, output_lens)
+    ceiling = sum(output_lens) / ideal_s
+    print(f"workload: {len(requests)} requests, {sum(prompt_lens)} prompt + {sum(output_lens)} output tokens; "
+          f"ideal schedule {ideal_s:.2f} s = {ceiling:.1f} useful tok/s")
+    out = {"num_requests": len(requests), "ideal_s": ideal_s, "ceiling_tokens_per_s": ceiling}
+    if args.skip_run:
+        return out
+    factory = EngineFactory(runner, engine_config_from_args(args))  # type: ignore[arg-type]
+    warm_up(factory)
+    result = run_workload(factory.make(), requests)
+    out.update(tokens_per_s=result.tokens_per_s, duration_s=result.duration_s,
+               share_of_ceiling=result.tokens_per_s / ceiling)
+    print(f"cobatch: {result.tokens_per_s:.1f} useful tok/s in {result.duration_s:.2f} s "
+          f"= {100 * out['share_of_ceiling']:.1f}% of the ceiling")
+    return out
 
 
 def _threads() -> int:
