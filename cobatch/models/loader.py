@@ -6,6 +6,7 @@ Both sources are first turned into HF-named tensors (`model.layers.0.self_attn.q
 
 from __future__ import annotations
 
+import ctypes
 import json
 from pathlib import Path
 from typing import Mapping
@@ -39,7 +40,23 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         config, tensors = _load_gguf(path, dtype)
     else:
         config, tensors = load_model_config(path), _load_hf_tensors(path)
-    return build_model(config, tensors, dtype, device), config
+    model = build_model(config, tensors, dtype, device)
+    del tensors
+    release_freed_heap()
+    return model, config
+
+
+def release_freed_heap() -> None:
+    """Hand memory freed by loading back to the OS (glibc's malloc_trim).
+
+    Dequantizing a GGUF and fusing weights allocates fp32 copies that are freed by now, but glibc keeps
+    freed heap pages mapped: without this, ~290 MiB of the default model's load stays resident for the
+    life of the server. A no-op where the C library has no malloc_trim.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
