@@ -1,50 +1,183 @@
-"""The native decode-attention kernel against the pure-torch path (gather + bmm + mask)."""
+"""The native paged-attention kernel against a plain torch reference and against the torch path.
+
+Random ragged batches: decode rows, fresh prefills and prefills over cached context (chunked prefill /
+prefix hit) in one step; GQA groups 1/3/4; head sizes on and off the AVX512-BF16 path; block sizes
+1/4/16/32; lengths off the block and tile sizes. Cache slots outside every query's context hold NaN,
+so a kernel that read them would fail.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cobatch.models.attention import AttentionMetadata, _decode_attention
-from cobatch.models.native import load_decode_kernel
+from cobatch.models.attention import AttentionMetadata, make_tiles, paged_attention
+from cobatch.models.native import load_attention_kernel
+from cobatch.runner.model_runner import prepare_batch
+from cobatch.sampling_params import SamplingParams
+from cobatch.scheduler_output import ScheduledRow
 from tests.runner_helpers import BlockAllocator, hf_greedy, runner_for, step, tiny_hf_model
 
-KERNEL = load_decode_kernel()
+KERNEL = load_attention_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the torch path runs instead")
 
-
-def _case(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, seq_lens: list[int],
-          block_size: int = 4, num_blocks: int = 64) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(0)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    max_blocks = -(-max(seq_lens) // block_size)
-    # Each row gets distinct, shuffled blocks; padding entries point at block 0 (masked out).
-    perm = torch.randperm(num_blocks, generator=gen)[:len(seq_lens) * max_blocks].view(len(seq_lens), -1)
-    tables = torch.stack([torch.where(torch.arange(max_blocks) < -(-n // block_size), perm[i], 0)
-                          for i, n in enumerate(seq_lens)])  # [D, nb]
-    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
-    return q, k_cache, v_cache, tables, torch.tensor(seq_lens)
+# (num_computed, num_new) per row: decode rows first, then a fresh prefill, a chunk over cached
+# context, a prefix-cache hit resuming mid-block, a one-token prompt.
+MIXED_ROWS = [(0, 1), (4, 1), (16, 1), (39, 1), (0, 37), (21, 19), (32, 17), (5, 3)]
+HEADS = [(4, 4, 64), (9, 3, 64), (8, 2, 32), (4, 1, 80), (8, 2, 128)]  # (nh, kvh, hd)
 
 
-def _torch_reference(q, k_cache, v_cache, tables, seq_lens) -> torch.Tensor:
-    slots = torch.arange(tables.shape[1] * k_cache.shape[1])
-    mask = torch.zeros(len(seq_lens), slots.numel()).masked_fill_(slots >= seq_lens[:, None], float("-inf"))
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), num_decode_tokens=len(q),
-                             decode_block_tables=tables, decode_mask=mask.unsqueeze(1))
-    return _decode_attention(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+class Case:
+    """A random cache with rows' contexts in shuffled blocks; every other slot is NaN."""
+
+    def __init__(self, dtype: torch.dtype, heads: tuple[int, int, int], block_size: int,
+                 rows: list[tuple[int, int]], seed: int = 0) -> None:
+        num_heads, num_kv_heads, head_dim = heads
+        gen = torch.Generator().manual_seed(seed)
+        self.rows, self.block_size, self.scale = rows, block_size, head_dim ** -0.5
+        lens = [c + n for c, n in rows]
+        needed = [-(-n // block_size) for n in lens]
+        num_blocks = sum(needed) + 1  # block 0: padding of the tables, never visible
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.full(shape, float("nan"))
+        self.v_cache = torch.full(shape, float("nan"))
+        perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+        self.tables = torch.zeros(len(rows), max(needed), dtype=torch.int64)
+        for r, (n, nb) in enumerate(zip(lens, needed)):
+            self.tables[r, :nb] = torch.tensor([perm.pop() for _ in range(nb)])
+            pos = torch.arange(n)
+            slot_block, slot_off = self.tables[r, pos // block_size], pos % block_size
+            self.k_cache[slot_block, slot_off] = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+            self.v_cache[slot_block, slot_off] = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+        self.k_cache, self.v_cache = self.k_cache.to(dtype), self.v_cache.to(dtype)
+        num_tokens = sum(n for _, n in rows)
+        self.q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+        self.num_computed = torch.tensor([c for c, _ in rows])
+        self.num_new = torch.tensor([n for _, n in rows])
+
+    def tiles(self, tile_tokens: int = 16) -> torch.Tensor:
+        return make_tiles(self.num_computed, self.num_new, tile_tokens)
+
+    def kernel(self, tile_tokens: int = 16, q: torch.Tensor | None = None) -> torch.Tensor:
+        assert KERNEL is not None
+        q = self.q if q is None else q
+        return KERNEL(q, self.k_cache, self.v_cache, self.tables, self.tiles(tile_tokens), self.scale)
+
+    def reference(self) -> torch.Tensor:
+        """Per query token in fp64: softmax(q K^T * scale) V over positions 0 .. its own position."""
+        num_heads, num_kv_heads = self.q.shape[1], self.k_cache.shape[2]
+        k_all = self.k_cache.double().flatten(0, 1)  # [slots, kvh, hd]
+        v_all = self.v_cache.double().flatten(0, 1)
+        out = torch.empty(self.q.shape, dtype=torch.float64)
+        token = 0
+        for r, (computed, new) in enumerate(self.rows):
+            for i in range(new):
+                pos = torch.arange(computed + i + 1)
+                slots = self.tables[r, pos // self.block_size] * self.block_size + pos % self.block_size
+                k = k_all[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [ctx, nh, hd]
+                v = v_all[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
+                probs = (torch.einsum("hd,chd->hc", self.q[token].double(), k) * self.scale).softmax(-1)
+                out[token] = torch.einsum("hc,chd->hd", probs, v)
+                token += 1
+        return out
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads", [(4, 2, 16), (9, 3, 64), (2, 2, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_kernel_matches_reference(dtype: torch.dtype, heads: tuple[int, int, int], block_size: int) -> None:
+    case = Case(dtype, heads, block_size, MIXED_ROWS)
+    got = case.kernel()
+    assert got.dtype == dtype and got.shape == case.q.shape
+    atol, want = TOLERANCE[dtype], case.reference()
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
+    if dtype == torch.bfloat16:  # on average close to the output's own bf16 rounding (~4e-4 here)
+        assert float((got.double() - want).abs().mean()) < 1e-3
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(4))
+def test_kernel_random_ragged_batches(seed: int) -> None:
+    gen = torch.Generator().manual_seed(100 + seed)
+    rows = [(int(torch.randint(0, 90, (1,), generator=gen)), int(n))
+            for n in torch.randint(1, 40, (6,), generator=gen)]
+    for dtype in (torch.float32, torch.bfloat16):
+        case = Case(dtype, (9, 3, 64), 4, rows, seed=seed)
+        atol = TOLERANCE[dtype]
+        torch.testing.assert_close(case.kernel(tile_tokens=7).double(), case.reference(), atol=atol, rtol=atol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_bits_do_not_depend_on_tiling_or_batch(dtype: torch.dtype) -> None:
+    """A query's numbers depend on its own context only: not on tile size, nor on the other rows."""
+    case = Case(dtype, (9, 3, 64), 16, MIXED_ROWS)
+    batched = case.kernel(tile_tokens=16)
+    for tile_tokens in (1, 5, 64):
+        assert torch.equal(case.kernel(tile_tokens=tile_tokens), batched)
+    alone = Case(dtype, (9, 3, 64), 16, MIXED_ROWS)
+    alone.rows, alone.num_computed, alone.num_new = MIXED_ROWS[5:6], alone.num_computed[5:6], alone.num_new[5:6]
+    alone.tables = case.tables[5:6]
+    first = sum(n for _, n in MIXED_ROWS[:5])
+    q = case.q[first:first + MIXED_ROWS[5][1]]
+    assert torch.equal(alone.kernel(q=q), batched[first:first + MIXED_ROWS[5][1]])
+
+
+@needs_kernel
+def test_kernel_reads_q_with_a_token_stride() -> None:
+    """q arrives as a slice of the fused QKV output: rows strided, heads contiguous."""
+    case = Case(torch.bfloat16, (9, 3, 64), 16, MIXED_ROWS)
+    qkv = torch.randn(case.q.shape[0], 15, 64).to(torch.bfloat16)
+    qkv[:, :9] = case.q
+    assert torch.equal(case.kernel(q=qkv[:, :9]), case.kernel())
+
+
+@needs_kernel
+def test_bf16_fast_path_where_the_cpu_has_it() -> None:
+    from cobatch.runner.model_runner import cpu_has_fast_bf16
+
+    assert KERNEL is not None
+    assert not KERNEL.uses_avx512_bf16(80)  # head_dim % 32 != 0: the generic path
+    if cpu_has_fast_bf16() and "avx512_bf16" in open("/proc/cpuinfo").read():
+        assert KERNEL.uses_avx512_bf16(64) and KERNEL.uses_avx512_bf16(128)
+
+
+def test_make_tiles() -> None:
+    tiles = make_tiles(torch.tensor([7, 0, 3]), torch.tensor([1, 5, 2]), tile_tokens=2)
+    # (row, first token, num tokens, context of the first token)
+    assert tiles.tolist() == [[0, 0, 1, 8], [1, 1, 2, 1], [1, 3, 2, 3], [1, 5, 1, 5], [2, 6, 2, 4]]
+
+
+# ---- the kernel against the torch path, through prepare_batch and paged_attention --------------------
+
+def _scheduled_rows(case: Case) -> list[ScheduledRow]:
+    params = SamplingParams(temperature=0.0, max_tokens=None)
+    return [ScheduledRow(f"r{i}", list(range(c + n)), c + n, c, n, case.tables[i].tolist(), params,
+                         needs_sample=True) for i, (c, n) in enumerate(case.rows)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 80)])
 def test_kernel_matches_torch_path(dtype: torch.dtype, atol: float, heads: tuple[int, int, int]) -> None:
-    q, k_cache, v_cache, tables, seq_lens = _case(dtype, *heads, seq_lens=[1, 5, 17, 9, 4])
-    got = KERNEL(q, k_cache, v_cache, tables, seq_lens, q.shape[-1] ** -0.5)
-    want = _torch_reference(q, k_cache, v_cache, tables, seq_lens)
-    assert got.dtype == dtype and got.shape == q.shape
-    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+    case = Case(dtype, heads, 4, MIXED_ROWS)  # decode rows come first: prepare_batch keeps the order
+    case.k_cache, case.v_cache = case.k_cache.nan_to_num(0.0), case.v_cache.nan_to_num(0.0)
+    rows = _scheduled_rows(case)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in case.rows])
+    slots = case.tables[torch.repeat_interleave(torch.arange(len(rows)), case.num_new), positions // 4] * 4 + positions % 4
+    kv_heads, head_dim = case.k_cache.shape[2:]
+    new_k = case.k_cache.view(-1, kv_heads, head_dim)[slots].clone()
+    new_v = case.v_cache.view(-1, kv_heads, head_dim)[slots].clone()
+    outs = []
+    for kernel in (KERNEL, None):
+        meta = prepare_batch(rows, 4, torch.device("cpu"), kernel).meta
+        assert isinstance(meta, AttentionMetadata) and (meta.kernel is None) == (kernel is None)
+        outs.append(paged_attention(case.q, new_k, new_v, case.k_cache, case.v_cache, meta, case.scale))
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=atol, rtol=atol)
 
 
 @needs_kernel
@@ -54,7 +187,7 @@ def test_kernel_and_torch_path_runners_match_hf() -> None:
     reference = [hf_greedy(hf_model, p, 6) for p in prompts]
     for native in (True, False):
         runner = runner_for(hf_model, native_attention=native)
-        assert (runner.decode_kernel is not None) == native
+        assert (runner.attention_kernel is not None) == native
         alloc = BlockAllocator(runner.block_size)
         seqs = [alloc.seq(f"r{i}", p, len(p) + 6) for i, p in enumerate(prompts)]
         step(runner, [(s, None) for s in seqs])

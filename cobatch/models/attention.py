@@ -1,17 +1,25 @@
 """Paged attention over a block-structured KV cache, for a ragged batch of decode rows and prefill chunks.
 
-The flat batch puts all decode rows first, then the prefill rows (the runner builds it that way):
-
-    tokens:  [ d0 d1 ... d(D-1) | p0 p0 p0 p0 | p1 p1 ... ]
-               decode rows: 1 token each      prefill rows: many tokens each
-               batched: gather + 2 bmm        one SDPA per row (few per step)
-
 KV cache of one layer: K and V tensors `[num_blocks, block_size, num_kv_heads, head_dim]`; token t of a
-sequence lives at slot `block_table[t // block_size] * block_size + t % block_size`.
+sequence lives at slot `block_table[t // block_size] * block_size + t % block_size`. Each step first writes
+its new tokens' K/V to their slots, then attends, so every query's whole context is in the cache.
+
+Native path (models/native.py, csrc/paged_attention.c): one kernel call for the whole batch. Every query
+token sees its own context (a decode row: seq_len keys; a prefill token at position p: p + 1, causal)
+through its sequence's block table, read in place; tiles of consecutive tokens of one sequence share the
+K/V reads:
+
+    tokens:  [ d0 | d1 | ... | p0 p0 p0 ... p0 p0 | p1 p1 ... ]
+    tiles:     1    1          <= tile_tokens each    (seq, first token, num tokens, context of the first)
+
+Torch path (no compiler, COBATCH_NO_NATIVE=1, other devices): the flat batch puts decode rows first
+(the runner builds it that way); decode rows are batched (gather + 2 bmm + length mask), each prefill row
+is one SDPA call over its new K/V, or over its gathered cached context with a causal mask.
 
 Masked-out slots (padding of block tables, other sequences' blocks) hold whatever was written there: zeros
 from allocation or K/V computed by the model, always finite; -inf / boolean masks give them exactly zero
 weight (finite garbage times a zero weight is zero; NaN garbage could not be masked, hence the zeroed cache).
+The kernel never reads them.
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ import torch
 import torch.nn.functional as F
 
 
-class DecodeKernel(Protocol):
-    """A fused paged decode attention (models/native.py): reads K/V in place through the block tables."""
+class AttentionKernel(Protocol):
+    """A fused paged attention over the whole ragged batch (models/native.py): K/V read in place."""
+
+    tile_tokens: int  # most query tokens per tile
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
+                 block_tables: torch.Tensor, tiles: torch.Tensor, scale: float) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -48,12 +58,30 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
     num_decode_tokens: int  # decode rows are tokens [0, num_decode_tokens) of the flat batch
+    # Native path: one call over all tokens.
+    kernel: AttentionKernel | None = None
+    block_tables: torch.Tensor | None = None  # [R, max_blocks] int64, one row per scheduled row
+    tiles: torch.Tensor | None = None  # [N, 4] int64: (row, first token, num tokens, context of the first)
+    # Torch path.
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
-    decode_seq_lens: torch.Tensor | None = None  # [D] int64: context of each decode row, new token included
-    # [D, 1, max_blocks * block_size] fp32, additive: 0 where slot < seq_len, -inf beyond (torch path only)
+    # [D, 1, max_blocks * block_size] fp32, additive: 0 where slot < seq_len, -inf beyond
     decode_mask: torch.Tensor | None = None
-    decode_kernel: DecodeKernel | None = None  # when set, decode rows skip the gather + bmm path
     prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def make_tiles(num_computed: torch.Tensor, num_new: torch.Tensor, tile_tokens: int) -> torch.Tensor:
+    """Split each row's new tokens (rows consecutive in the flat batch) into tiles of <= tile_tokens.
+
+    num_computed, num_new: [R] int64 -> [N, 4] int64 rows (row, first token, num tokens, context of the
+    first token, i.e. its position + 1).
+    """
+    per_row = (num_new + tile_tokens - 1) // tile_tokens  # [R]
+    row = torch.repeat_interleave(torch.arange(len(num_new)), per_row)  # [N]
+    first_tile = torch.cumsum(per_row, 0) - per_row  # [R]
+    offset = (torch.arange(len(row)) - first_tile[row]) * tile_tokens  # [N]: first token within its row
+    row_start = torch.cumsum(num_new, 0) - num_new  # [R]: the row's first token in the flat batch
+    count = torch.clamp(num_new[row] - offset, max=tile_tokens)
+    return torch.stack([row, row_start[row] + offset, count, num_computed[row] + offset + 1], dim=1)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -69,6 +97,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """Write this step's K/V to the cache, then attend: q [T, nh, hd], k/v [T, kvh, hd] -> [T, nh * hd]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
+    if meta.kernel is not None:
+        assert meta.block_tables is not None and meta.tiles is not None
+        out = meta.kernel(q, k_cache, v_cache, meta.block_tables, meta.tiles, scale)  # [T, nh, hd]
+        return out.view(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)  # [T, nh, hd]
     num_decode = meta.num_decode_tokens
     if num_decode:
@@ -80,8 +112,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """All one-token rows at once: the native kernel when present, else gather their blocks and run two
-    batched matmuls with a length mask.
+    """All one-token rows at once (torch path): gather their blocks, two batched matmuls, a length mask.
 
     GQA without copying K/V into head-major order: the gathered K of a row is [ctx, kvh * hd], and
     each query head is placed block-diagonally in a [kvh * hd] vector (zeros outside its KV head's
@@ -90,11 +121,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
         q_bd [D, nh, kvh * hd]:   head h (of KV group j) = [ 0 .. 0 | q_h | 0 .. 0 ]  (q_h in slice j)
     """
-    assert meta.decode_block_tables is not None
-    if meta.decode_kernel is not None:
-        assert meta.decode_seq_lens is not None
-        return meta.decode_kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
-    assert meta.decode_mask is not None
+    assert meta.decode_block_tables is not None and meta.decode_mask is not None
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads

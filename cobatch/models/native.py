@@ -30,46 +30,63 @@ _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno
           "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _COMPILE_TIMEOUT_S = 120
 _DISABLE_ENV = "COBATCH_NO_NATIVE"  # set to 1 to force the pure-torch path (A/B measurements)
-_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+# q, q_stride, k_cache, v_cache, block_tables, max_blocks, tiles, num_tiles, out, num_heads,
+# num_kv_heads, head_dim, block_size, scale
+_ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p,
+             ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_float])
 
 
-class DecodeKernel:
-    """Paged decode attention for fp32 and bf16 caches (see csrc/paged_attention.c for layouts)."""
+class AttentionKernel:
+    """Paged attention over a ragged batch for fp32 and bf16 caches (csrc/paged_attention.c: layouts)."""
+
+    tile_tokens = 16  # consecutive query tokens of one sequence that share each K/V read
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {torch.float32: lib.paged_decode_f32, torch.bfloat16: lib.paged_decode_bf16}
+        self._fns = {torch.float32: lib.paged_attention_f32, torch.bfloat16: lib.paged_attention_bf16}
         for fn in self._fns.values():
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+        self._bf16_is_fast = lib.paged_attention_bf16_is_fast
+        self._bf16_is_fast.argtypes, self._bf16_is_fast.restype = [ctypes.c_int], ctypes.c_int
 
     def supports(self, dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in self._fns
 
+    def uses_avx512_bf16(self, head_dim: int) -> bool:
+        """Whether bf16 at this head size runs the AVX512-BF16 path (else the generic C path)."""
+        return bool(self._bf16_is_fast(head_dim))
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [D, nh, hd], caches [blocks, bs, kvh, hd], block_tables [D, nb], seq_lens [D] -> [D, nh, hd]."""
-        q = q.contiguous()
-        num_rows, num_heads, head_dim = q.shape
+                 block_tables: torch.Tensor, tiles: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, nh, hd] (token stride free), caches [blocks, bs, kvh, hd], block_tables [S, nb],
+        tiles [N, 4] (seq, first token, tokens, context of the first) -> [T, nh, hd]."""
+        num_tokens, num_heads, head_dim = q.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
         _, block_size, num_kv_heads, _ = k_cache.shape
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
-        assert block_tables.dtype == torch.int64 and seq_lens.dtype == torch.int64
-        out = torch.empty_like(q)  # [D, nh, hd]
+        assert block_tables.dtype == torch.int64 and tiles.dtype == torch.int64 and tiles.is_contiguous()
+        assert num_heads % num_kv_heads == 0 and q.dtype == k_cache.dtype == v_cache.dtype
+        out = q.new_empty(num_tokens, num_heads, head_dim)
         status = self._fns[q.dtype](
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            seq_lens.data_ptr(), out.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim,
-            block_size, block_tables.shape[1], scale)
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], tiles.data_ptr(), tiles.shape[0], out.data_ptr(), num_heads,
+            num_kv_heads, head_dim, block_size, scale)
         if status != 0:
-            raise MemoryError("native decode attention could not allocate its scratch buffers")
+            raise MemoryError("native attention could not allocate its scratch buffers")
         return out
 
 
 @lru_cache(maxsize=1)
-def load_decode_kernel() -> DecodeKernel | None:
+def load_attention_kernel() -> AttentionKernel | None:
     """The kernel, building it if needed; None when disabled, not on x86-64/Linux, or the build fails."""
     lib = load_library("paged_attention")
     try:
-        return DecodeKernel(lib) if lib is not None else None
+        return AttentionKernel(lib) if lib is not None else None
     except AttributeError:
         return None
+
+
+load_decode_kernel = load_attention_kernel  # its former name (tests/test_faults.py loads it by that)
 
 
 def native_disabled() -> bool:

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from cobatch.config import EngineConfig
-from cobatch.models.attention import AttentionMetadata, DecodeKernel, PrefillSpan
+from cobatch.models.attention import AttentionKernel, AttentionMetadata, PrefillSpan, make_tiles
 from cobatch.models.llama import LlamaForCausalLM, scope
 from cobatch.models.loader import load_model, resolve_model_path
 from cobatch.models.model_config import ModelConfig
-from cobatch.models.native import load_decode_kernel
+from cobatch.models.native import load_attention_kernel
 from cobatch.runner.sampler import Sampler
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
 
@@ -54,7 +54,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         self.swap_cache = self._allocate_cache(num_swap_blocks, torch.device("cpu"))
         self.sampler = Sampler(seed, self.device)
-        self.decode_kernel = _decode_kernel(self.dtype, self.device) if native_attention else None
+        self.attention_kernel = _attention_kernel(self.dtype, self.device) if native_attention else None
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests make steps fail
         self.last_timings: dict[str, float] = {}
         self._profiling = False  # set only inside profile_step
@@ -111,7 +111,7 @@ class ModelRunner:
         if not out.rows:
             return RunnerOutput((), ())
         t0 = time.perf_counter()
-        batch = prepare_batch(out.rows, self.block_size, self.device, self.decode_kernel, self.scratch_slot)
+        batch = prepare_batch(out.rows, self.block_size, self.device, self.attention_kernel, self.scratch_slot)
         t1 = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
                             self._profiling)  # [T, H]
@@ -190,7 +190,7 @@ class Batch:
 
 
 def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.device,
-                  decode_kernel: DecodeKernel | None = None, scratch_slot: int | None = None) -> Batch:
+                  attention_kernel: AttentionKernel | None = None, scratch_slot: int | None = None) -> Batch:
     """Flatten the rows (decode rows first) and build all attention metadata once for every layer.
 
     Padding rows (static batching) recompute a position already in the cache, maybe in a prefix-cached
@@ -214,13 +214,13 @@ def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.d
     is_padding = torch.tensor([r.is_padding for r in ordered])  # [R]
     if scratch_slot is not None and bool(is_padding.any()):
         slot_mapping = slot_mapping.masked_fill(is_padding[row_of_token], scratch_slot)  # [T]
-    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), num_decode_tokens=num_decode,
-                             decode_kernel=decode_kernel)
-    if num_decode:
-        _add_decode_metadata(meta, block_tables[:num_decode], starts[:num_decode] + 1, block_size, device)
-    for j in range(num_decode, len(ordered)):
-        meta.prefills.append(_prefill_span(block_tables[j], int(starts[j]), int(counts[j]), int(ends[j]),
-                                           block_size, device))
+    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), num_decode_tokens=num_decode)
+    if attention_kernel is not None:
+        meta.kernel = attention_kernel
+        meta.block_tables = block_tables.to(device)
+        meta.tiles = make_tiles(starts, counts, attention_kernel.tile_tokens).to(device)  # [N, 4]
+    else:
+        _add_torch_metadata(meta, block_tables, starts, counts, block_size, device)
     position_in_order = {row_index: k for k, row_index in enumerate(order)}
     sample_indices = [int(ends[position_in_order[i]]) - 1 for i, r in enumerate(rows) if r.needs_sample]
     return Batch(torch.tensor(token_ids, device=device), positions.to(device), meta,
@@ -238,13 +238,21 @@ def _padded_block_tables(rows: Sequence[ScheduledRow], block_size: int) -> torch
     return torch.tensor(tables, dtype=torch.int64)
 
 
+def _add_torch_metadata(meta: AttentionMetadata, block_tables: torch.Tensor, starts: torch.Tensor,
+                        counts: torch.Tensor, block_size: int, device: torch.device) -> None:
+    """The torch path's metadata: batched decode rows, then one span per prefill row."""
+    num_decode, ends = meta.num_decode_tokens, torch.cumsum(counts, 0)
+    if num_decode:
+        _add_decode_metadata(meta, block_tables[:num_decode], starts[:num_decode] + 1, block_size, device)
+    for j in range(num_decode, len(counts)):
+        meta.prefills.append(_prefill_span(block_tables[j], int(starts[j]), int(counts[j]), int(ends[j]),
+                                           block_size, device))
+
+
 def _add_decode_metadata(meta: AttentionMetadata, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          block_size: int, device: torch.device) -> None:
     num_blocks = -(-int(seq_lens.max()) // block_size)
     meta.decode_block_tables = block_tables[:, :num_blocks].contiguous().to(device)  # [D, nb]
-    meta.decode_seq_lens = seq_lens.to(device)  # [D]
-    if meta.decode_kernel is not None:
-        return  # the kernel stops at each row's length: no mask
     slots = torch.arange(num_blocks * block_size)
     beyond = slots[None, :] >= seq_lens[:, None]  # [D, ctx]
     mask = torch.zeros(beyond.shape).masked_fill_(beyond, float("-inf"))
@@ -265,9 +273,9 @@ def _prefill_span(block_table: torch.Tensor, num_computed: int, num_new: int, en
 
 # ---------------------------------------------------------------------------------- device, dtype
 
-def _decode_kernel(dtype: torch.dtype, device: torch.device) -> DecodeKernel | None:
-    """The native decode-attention kernel where it is built and handles this dtype and device."""
-    kernel = load_decode_kernel()
+def _attention_kernel(dtype: torch.dtype, device: torch.device) -> AttentionKernel | None:
+    """The native paged-attention kernel where it is built and handles this dtype and device."""
+    kernel = load_attention_kernel()
     return kernel if kernel is not None and kernel.supports(dtype, device) else None
 
 
