@@ -97,3 +97,28 @@ def test_default_model_under_preemption_matches_hf(hf_default_model) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected, f"diverged under {mode}"
         assert llm.engine.scheduler.num_preemptions_total > 0
+
+
+def test_default_model_bf16_tokens_are_in_hf_bf16_top5(hf_default_model) -> None:
+    """bf16 is not bit-identical to HF's bf16 (different kernels round differently), so the check is the
+    usual tolerance: every greedy token cobatch picks is among HF bf16's top 5 at that position, on the
+    same prefix (teacher-forced on cobatch's own output), batched with chunked prefill and decode."""
+    import copy
+
+    from cobatch.llm import LLM
+
+    hf, tok = hf_default_model
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+             "Photosynthesis converts light into"]
+    ids = [tok.encode(t) for t in texts]
+    llm = LLM(dtype="bfloat16", num_kv_blocks=64, max_model_len=256, block_size=16, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    for prompt, out in zip(ids, outs):
+        generated = list(out.outputs[0].token_ids)
+        with torch.inference_mode():
+            logits = hf_bf16(torch.tensor([prompt + generated])).logits[0]  # [L, V]
+        top5 = logits[len(prompt) - 1:-1].topk(5, dim=-1).indices  # HF's top 5 before each generated token
+        misses = [i for i, t in enumerate(generated) if t not in top5[i].tolist()]
+        assert not misses, f"tokens {misses} of {generated} are outside HF bf16's top 5"
