@@ -17,7 +17,29 @@ else:
     kernel = load_attention_kernel()
 LAYERS, BLOCKS, BS, NH, KVH, HD = 30, 2400, 16, 9, 3, 64
 dtype = getattr(torch, os.environ.get("DTYPE", "bfloat16"))
-caches = [torch.randn(2, BLOCKS, BS, KVH, HD).to(dtype) for _ in range(int(os.environ.get("CACHES", LAYERS)))]
+def cache() -> torch.Tensor:
+    """[2, blocks, bs, kvh, hd]; HUGE=1: on transparent huge pages (madvise), to see what TLB misses cost."""
+    x = torch.randn(2, BLOCKS, BS, KVH, HD).to(dtype)
+    if os.environ.get("HUGE") != "1":
+        return x
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    size, huge = x.numel() * x.element_size(), 2 << 20
+    addr = libc.mmap(None, size + huge, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+    start = (addr + huge - 1) & ~(huge - 1)
+    assert libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(size), 14) == 0  # MADV_HUGEPAGE
+    arr = (ctypes.c_char * size).from_address(start)
+    y = torch.frombuffer(arr, dtype=dtype).view(x.shape)
+    y.copy_(x)
+    buf = arr
+    _keep.append(buf)
+    return y
+
+
+_keep = []
+caches = [cache() for _ in range(int(os.environ.get("CACHES", LAYERS)))]
 caches = (caches * LAYERS)[:LAYERS]  # CACHES=1: one cache, K/V from the caches (compute-bound check)
 
 
@@ -35,6 +57,8 @@ def time_step(q, tables, computed, new, reps=7):
 def decode(b, ctx=256):
     nb = -(-(ctx + 1) // BS)
     tables = torch.tensor([[(i * nb + j) % BLOCKS for j in range(nb)] for i in range(b)])
+    if os.environ.get("SHUFFLE") == "1":  # blocks scattered over the pool, as after LRU churn
+        tables = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(0))[tables]
     q = torch.randn(b, NH, HD).to(dtype)
     s = time_step(q, tables, torch.full((b,), ctx), torch.ones(b, dtype=torch.int64))
     gb = LAYERS * b * (ctx + 1) * KVH * HD * 2 * dtype.itemsize / 1e9
@@ -48,5 +72,7 @@ def prefill(n=12, length=170):
     print(f"prefill {n}x{length}: {1000 * s:7.2f} ms", flush=True)
 
 
+if os.environ.get("HUGE") == "1":
+    print([l for l in open("/proc/self/smaps_rollup") if "AnonHuge" in l])
 for arg in sys.argv[1:] or ["prefill", "1", "8", "32", "64"]:
     prefill() if arg == "prefill" else decode(int(arg))

@@ -40,11 +40,14 @@
 
 enum { CHUNK = 16 };  /* keys per softmax step: one fp32 vector of scores on AVX-512 */
 enum { MAX_FAST_HEAD_DIM = 256 };
+/* Software prefetch of K/V one chunk ahead, into L2 (T1): measured at decode B=64 ctx 256, 2 threads,
+ * T1 beat T0 (~16-19 vs ~22-25 ms per 30 layers; T0 evicts the chunk in use from L1) and farther
+ * distances were no better. */
 #ifndef PREFETCH_CHUNKS
 #define PREFETCH_CHUNKS 1
 #endif
 #ifndef PREFETCH_HINT
-#define PREFETCH_HINT _MM_HINT_T0
+#define PREFETCH_HINT _MM_HINT_T1
 #endif
 
 /* The call's arguments, shared by all work items. */
@@ -181,30 +184,67 @@ static const uint16_t ZERO_ROW[MAX_FAST_HEAD_DIM] __attribute__((aligned(64)));
 
 /* Per-thread scratch of the bf16 path, 64-byte aligned (the vectors are stored with aligned moves). */
 typedef struct {
-    uint32_t *kt;   /* [hd/2][CHUNK]: K chunk transposed, bf16 pairs (k[2i], k[2i+1]) along key lanes */
+    __m512i *kb;    /* [hd/32][16]: K chunk half transposed, see stage_keys */
     uint32_t *vi;   /* [CHUNK/2][hd]: V chunk, key pairs interleaved: (v[2j][d], v[2j+1][d]) */
-    float *acc;     /* [queries][hd] fp32, d permuted within 32-wide blocks (see unpermute) */
+    float *acc;     /* [queries][hd] fp32, d permuted within 32-wide blocks (see store_row_bf16) */
     float *lsum;    /* [queries][CHUNK]: softmax denominators, summed across lanes at the end */
     float *mx;      /* [queries]: running max of the raw scores */
 } Fast;
 
 static int64_t fast_scratch_bytes(const Attn *a, int64_t max_queries) {
     int64_t hd = a->head_dim;
-    return 4 * (hd / 2 * CHUNK + CHUNK / 2 * hd + max_queries * (hd + CHUNK + 16)) + 64 * 5;
+    return 4 * (hd / 2 * CHUNK + CHUNK / 2 * hd + max_queries * (hd + CHUNK + 1)) + 64 * 6;
 }
 
 static Fast fast_scratch(const Attn *a, int64_t max_queries, char *buf) {
     Fast f;
     int64_t hd = a->head_dim;
     uintptr_t p = ((uintptr_t)buf + 63) & ~(uintptr_t)63;
-#define TAKE(ptr, type, count) (ptr = (type *)p, p = (p + sizeof(type) * (count) + 63) & ~(uintptr_t)63)
-    TAKE(f.kt, uint32_t, hd / 2 * CHUNK);
-    TAKE(f.vi, uint32_t, CHUNK / 2 * hd);
-    TAKE(f.acc, float, max_queries * hd);
-    TAKE(f.lsum, float, max_queries * CHUNK);
-    TAKE(f.mx, float, max_queries);
+#define TAKE(ptr, type, bytes) (ptr = (type *)p, p = (p + (bytes) + 63) & ~(uintptr_t)63)
+    TAKE(f.kb, __m512i, 4 * hd / 2 * CHUNK);
+    TAKE(f.vi, uint32_t, 4 * CHUNK / 2 * hd);
+    TAKE(f.acc, float, 4 * max_queries * hd);
+    TAKE(f.lsum, float, 4 * max_queries * CHUNK);
+    TAKE(f.mx, float, 4 * max_queries);
 #undef TAKE
     return f;
+}
+
+/* Software prefetch of a later chunk's K and V, a few lines at each step of the compute. Blocks sit
+ * anywhere in the pool and each KV head reads only its slice of a token, so the hardware prefetcher
+ * cannot run ahead; and a burst of prefetches would wait for free miss buffers and stall the core as
+ * demand loads do, so they are spread over the chunk's arithmetic instead. */
+typedef struct {
+    const char *rows[2 * CHUNK];  /* start of each key's K piece, then of each V piece */
+    int num_rows, lines_per_row, per_step;  /* lines per call of prefetch_step */
+    int row, line;                /* cursor */
+} Prefetch;
+
+static inline void prefetch_step(Prefetch *p) {
+    for (int k = 0; k < p->per_step && p->row < p->num_rows; k++) {
+        _mm_prefetch(p->rows[p->row] + 64 * p->line, PREFETCH_HINT);
+        if (++p->line == p->lines_per_row) p->line = 0, p->row++;
+    }
+}
+
+/* Aim at keys c0 .. c0 + n - 1, KV heads h0 .. h1-1 (contiguous within a key), spread over `steps`. */
+static inline void prefetch_start(Prefetch *p, const Attn *a, const int64_t *table, int64_t c0, int n,
+                                  int h0, int h1, int steps) {
+    int64_t rows[CHUNK] = {0};
+    chunk_rows(a, table, c0, n, h0, rows);
+    for (int j = 0; j < n; j++) {
+        p->rows[j] = (const char *)((const uint16_t *)a->k_cache + rows[j] * a->head_dim);
+        p->rows[n + j] = (const char *)((const uint16_t *)a->v_cache + rows[j] * a->head_dim);
+    }
+    p->num_rows = 2 * n;
+    p->lines_per_row = (int)(((int64_t)(h1 - h0) * a->head_dim * 2 + 63) / 64);
+    p->per_step = (p->num_rows * p->lines_per_row + steps - 1) / (steps > 0 ? steps : 1);
+    p->row = p->line = 0;
+}
+
+static inline void prefetch_rest(Prefetch *p) {
+    p->per_step = p->num_rows * p->lines_per_row;
+    prefetch_step(p);
 }
 
 /* 2^x for x <= 0 (softmax weights): 2^n * p(f), n = round(x), |f| <= 1/2, degree-6 Taylor polynomial
@@ -223,83 +263,152 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Transpose 16 rows x 16 dwords (columns col0 ..) into dst[(col0 + j) * 16 + row]. */
-static inline void transpose16(const uint32_t *const rows[CHUNK], int col0, uint32_t *dst) {
-    __m512i r[16], t[16];
-    for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_si512(rows[k] + col0);
-    for (int k = 0; k < 16; k += 2) {  /* lane L: rows k, k+1 interleaved, columns 4L, 4L+1 | 4L+2, 4L+3 */
-        t[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
-        t[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
-    }
-    for (int k = 0; k < 16; k += 4) {  /* r[k + j], lane L: column 4L + j of rows k .. k+3 */
-        r[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
-        r[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
-        r[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
-        r[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
-    }
-    for (int j = 0; j < 4; j++) {  /* gather lane L of r[j], r[4+j], r[8+j], r[12+j]: column 4L + j */
-        __m512i e0 = _mm512_shuffle_i32x4(r[j], r[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
-        __m512i e1 = _mm512_shuffle_i32x4(r[j], r[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
-        __m512i e2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
-        __m512i e3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
-        _mm512_store_si512(dst + (col0 + j) * 16, _mm512_shuffle_i32x4(e0, e2, _MM_SHUFFLE(2, 0, 2, 0)));
-        _mm512_store_si512(dst + (col0 + 8 + j) * 16, _mm512_shuffle_i32x4(e0, e2, _MM_SHUFFLE(3, 1, 3, 1)));
-        _mm512_store_si512(dst + (col0 + 4 + j) * 16, _mm512_shuffle_i32x4(e1, e3, _MM_SHUFFLE(2, 0, 2, 0)));
-        _mm512_store_si512(dst + (col0 + 12 + j) * 16, _mm512_shuffle_i32x4(e1, e3, _MM_SHUFFLE(3, 1, 3, 1)));
+/* K rows of a chunk (16 keys, hd/2 dwords = bf16 pairs each) -> kb, half transposed: two in-lane unpack
+ * stages only. For each 16-dword column block cb, kb[cb * 16 + 4i + j] holds in 128-bit lane L, dword r
+ * the pair of key 4i + r at column cb * 16 + 4L + j. block_scores pairs it with q's column 4L + j
+ * (an in-lane broadcast) and sums the four lanes at the end: the cross-lane half of a transpose is
+ * replaced by one reduction per query head. */
+static inline void stage_keys(const uint16_t *const rows[CHUNK], int hd, __m512i *kb) {
+    for (int cb = 0; cb < hd / 32; cb++) {
+        __m512i r[16], t[16];
+        for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_si512((const uint32_t *)rows[k] + cb * 16);
+        for (int k = 0; k < 16; k += 2) {  /* lane L: keys k, k+1 interleaved, columns 4L, 4L+1 | 4L+2, 4L+3 */
+            t[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
+            t[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
+        }
+        for (int k = 0; k < 16; k += 4) {  /* lane L of kb[k + j]: column 4L + j of keys k .. k+3 */
+            _mm512_store_si512(kb + cb * 16 + k, _mm512_unpacklo_epi64(t[k], t[k + 2]));
+            _mm512_store_si512(kb + cb * 16 + k + 1, _mm512_unpackhi_epi64(t[k], t[k + 2]));
+            _mm512_store_si512(kb + cb * 16 + k + 2, _mm512_unpacklo_epi64(t[k + 1], t[k + 3]));
+            _mm512_store_si512(kb + cb * 16 + k + 3, _mm512_unpackhi_epi64(t[k + 1], t[k + 3]));
+        }
     }
 }
 
-/* K rows of a chunk -> kt; V rows -> vi with key pairs interleaved per 16-bit element. Unpack works
- * within 128-bit lanes, so in each 32-wide block of d the "lo" vector holds d = 0-3, 8-11, 16-19,
- * 24-27 and the "hi" vector the rest; the accumulators keep that order until unpermute. */
-static inline void stage_chunk(const uint16_t *const krows[CHUNK], const uint16_t *const vrows[CHUNK],
-                               int hd, Fast *f) {
-    for (int col0 = 0; col0 < hd / 2; col0 += 16)
-        transpose16((const uint32_t *const *)krows, col0, f->kt);
+/* V rows -> vi with key pairs interleaved per 16-bit element. Unpack works within 128-bit lanes, so in
+ * each 32-wide block of d the "lo" vector holds d = 0-3, 8-11, 16-19, 24-27 and the "hi" vector the
+ * rest; the accumulators keep that order until store_row_bf16. */
+static inline void stage_values(const uint16_t *const rows[CHUNK], int hd, uint32_t *vi) {
     for (int j = 0; j < CHUNK / 2; j++)
         for (int d0 = 0; d0 < hd; d0 += 32) {
-            __m512i x = _mm512_loadu_si512(vrows[2 * j] + d0), y = _mm512_loadu_si512(vrows[2 * j + 1] + d0);
-            _mm512_store_si512(f->vi + j * hd + d0, _mm512_unpacklo_epi16(x, y));
-            _mm512_store_si512(f->vi + j * hd + d0 + 16, _mm512_unpackhi_epi16(x, y));
+            __m512i x = _mm512_loadu_si512(rows[2 * j] + d0), y = _mm512_loadu_si512(rows[2 * j + 1] + d0);
+            _mm512_store_si512(vi + j * hd + d0, _mm512_unpacklo_epi16(x, y));
+            _mm512_store_si512(vi + j * hd + d0 + 16, _mm512_unpackhi_epi16(x, y));
         }
 }
 
-/* Raw scores of one query head against the chunk's 16 keys (lanes): four partial sums hide the
- * latency of the dot-product chain. */
-static inline __m512 chunk_scores(const uint32_t *qp, const uint32_t *kt, int hd) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int i = 0; i < hd / 2; i += 4) {
-        s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_load_si512(kt + i * 16), (__m512bh)_mm512_set1_epi32(qp[i]));
-        s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_load_si512(kt + (i + 1) * 16), (__m512bh)_mm512_set1_epi32(qp[i + 1]));
-        s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_load_si512(kt + (i + 2) * 16), (__m512bh)_mm512_set1_epi32(qp[i + 2]));
-        s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_load_si512(kt + (i + 3) * 16), (__m512bh)_mm512_set1_epi32(qp[i + 3]));
-    }
-    return _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
+/* acc[i] lane L dword r: key 4i + r's partial score over lane L's columns -> scores of keys 0..15. */
+static inline __m512 sum_lanes(const __m512 acc[4]) {
+    __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Online-softmax step of one query head: fold scores s (lanes past `valid` ignored) into its running
- * max, denominator and accumulator. c = scale * log2(e): weights are 2^(c * (s - max)). */
-static inline void chunk_update(__m512 s, __mmask16 valid, float c, const uint32_t *vi, int hd,
-                                float *mx, float *lsum, float *acc) {
+/* One column j of a 16-column block: acc[q][i] += kb[4i + j] . (q's column 4L + j in every dword of
+ * lane L). j must be a constant (shuffle immediate). */
+static inline __attribute__((always_inline)) void scores_column(__m512 acc[4][4], const __m512i qv[4],
+                                                                const __m512i *kb, const int nb, const int j) {
+    __m512i qj[4];
+    for (int q = 0; q < nb; q++) qj[q] = _mm512_shuffle_epi32(qv[q], (_MM_PERM_ENUM)(j * 0x55));
+    for (int i = 0; i < 4; i++) {
+        __m512bh k = (__m512bh)_mm512_load_si512(kb + 4 * i + j);
+        for (int q = 0; q < nb; q++) acc[q][i] = _mm512_dpbf16_ps(acc[q][i], k, (__m512bh)qj[q]);
+    }
+}
+
+/* Raw scores of nb (<= 4, a constant where inlined) query heads against the chunk's 16 keys: each kb
+ * load serves all nb heads; 4 nb independent accumulators keep the dot-product units busy. */
+static inline __attribute__((always_inline)) void block_scores(const uint32_t *const qp[4], const __m512i *kb,
+                                                               int hd, const int nb, __m512 s[4], Prefetch *pf) {
+    __m512 acc[4][4];
+    for (int q = 0; q < nb; q++)
+        for (int i = 0; i < 4; i++) acc[q][i] = _mm512_setzero_ps();
+    for (int cb = 0; cb < hd / 32; cb++) {
+        __m512i qv[4];
+        for (int q = 0; q < nb; q++) qv[q] = _mm512_loadu_si512(qp[q] + cb * 16);
+        prefetch_step(pf);
+        scores_column(acc, qv, kb + cb * 16, nb, 0);
+        scores_column(acc, qv, kb + cb * 16, nb, 1);
+        prefetch_step(pf);
+        scores_column(acc, qv, kb + cb * 16, nb, 2);
+        scores_column(acc, qv, kb + cb * 16, nb, 3);
+    }
+    for (int q = 0; q < nb; q++) s[q] = sum_lanes(acc[q]);
+}
+
+/* Online-softmax step of one query head: fold scores s (lanes outside `valid` ignored) into its running
+ * max and denominator; returns the factor its accumulator must be scaled by, and the weights rounded to
+ * bf16 as (key 2j, key 2j+1) pairs in pp. c = scale * log2(e): weights are 2^(c * (s - max)). */
+static inline __m512 softmax_step(__m512 s, __mmask16 valid, float c, float *mx, float *lsum,
+                                  uint32_t pp[CHUNK / 2]) {
     s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
     float mnew = fmaxf(*mx, _mm512_reduce_max_ps(s));
-    __m512 corr = _mm512_set1_ps(exp2f((*mx - mnew) * c));  /* 0 on the first chunk (max was -inf) */
+    __m512 vc = _mm512_set1_ps(c), vmc = _mm512_set1_ps(mnew * c);
+    /* 0 on the first chunk (max was -inf; accumulator and denominator are 0 then) */
+    __m512 corr = exp2_ps(_mm512_fmsub_ps(_mm512_set1_ps(*mx), vc, vmc));
     *mx = mnew;
-    __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_fmsub_ps(s, _mm512_set1_ps(c), _mm512_set1_ps(mnew * c))));
+    __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_fmsub_ps(s, vc, vmc)));
     _mm512_store_ps(lsum, _mm512_fmadd_ps(_mm512_load_ps(lsum), corr, p));
-    uint32_t pp[CHUNK / 2];  /* weights rounded to bf16, as (key 2j, key 2j+1) pairs */
     _mm256_storeu_si256((__m256i *)pp, (__m256i)_mm512_cvtneps_pbh(p));
-    for (int d0 = 0; d0 < hd; d0 += 64) {  /* 4 accumulators in registers across the 8 key pairs */
-        int n = imin(4, (hd - d0) / 16);
-        __m512 o[4];
-        for (int k = 0; k < n; k++) o[k] = _mm512_mul_ps(_mm512_load_ps(acc + d0 + 16 * k), corr);
+    return corr;
+}
+
+/* acc = acc * corr + P V for nb (<= 4) query heads, 64 values of d at a time: each vi load serves all
+ * nb heads. */
+static inline __attribute__((always_inline)) void block_pv(const uint32_t pp[4][CHUNK / 2], const __m512 corr[4],
+                                                           const uint32_t *vi, float *const acc[4], int hd,
+                                                           const int nb, Prefetch *pf) {
+    for (int d0 = 0; d0 < hd; d0 += 64) {
+        const int n = hd - d0 >= 64 ? 4 : 2;  /* hd is a multiple of 32 */
+        __m512 o[4][4];
+        for (int q = 0; q < nb; q++)
+            for (int k = 0; k < n; k++) o[q][k] = _mm512_mul_ps(_mm512_load_ps(acc[q] + d0 + 16 * k), corr[q]);
         for (int j = 0; j < CHUNK / 2; j++) {
-            __m512bh pj = (__m512bh)_mm512_set1_epi32(pp[j]);
-            for (int k = 0; k < n; k++)
-                o[k] = _mm512_dpbf16_ps(o[k], (__m512bh)_mm512_load_si512(vi + j * hd + d0 + 16 * k), pj);
+            prefetch_step(pf);
+            __m512bh w[4];
+            for (int q = 0; q < nb; q++) w[q] = (__m512bh)_mm512_set1_epi32(pp[q][j]);
+            for (int k = 0; k < n; k++) {
+                __m512bh v = (__m512bh)_mm512_load_si512(vi + j * hd + d0 + 16 * k);
+                for (int q = 0; q < nb; q++) o[q][k] = _mm512_dpbf16_ps(o[q][k], v, w[q]);
+            }
         }
-        for (int k = 0; k < n; k++) _mm512_store_ps(acc + d0 + 16 * k, o[k]);
+        for (int q = 0; q < nb; q++)
+            for (int k = 0; k < n; k++) _mm512_store_ps(acc[q] + d0 + 16 * k, o[q][k]);
     }
+}
+
+static inline const uint32_t *query_pairs(const Attn *a, int64_t token, int head) {
+    return (const uint32_t *)((const uint16_t *)a->q + token * a->q_stride + (int64_t)head * a->head_dim);
+}
+
+/* One chunk for nb consecutive query heads of the item (index m = (kv head offset, token, head in
+ * group), see fast_item); `valid` masks per head. */
+static inline __attribute__((always_inline)) void chunk_block(const Attn *a, const Tile *t, int h0, int nt,
+                                                              int m0, const int nb, int64_t c0, Fast *f,
+                                                              int hd, Prefetch *pf) {
+    const int group = a->group;
+    const uint32_t *qp[4];
+    __mmask16 valid[4];
+    for (int q = 0; q < nb; q++) {
+        int m = m0 + q, hh = m / (nt * group), i = m / group % nt, head = (h0 + hh) * group + m % group;
+        int64_t seen = t->context + i - c0;  /* keys of this chunk the token sees */
+        valid[q] = seen >= CHUNK ? (__mmask16)0xffff : (__mmask16)((1u << seen) - 1);
+        qp[q] = query_pairs(a, t->first + i, head);
+    }
+    __m512 s[4], corr[4];
+    uint32_t pp[4][CHUNK / 2];
+    float *acc[4];
+    block_scores(qp, f->kb, hd, nb, s, pf);
+    const float c = a->scale * 1.44269504088896341f;  /* log2(e) */
+    for (int q = 0; q < nb; q++) {
+        int m = m0 + q;
+        corr[q] = softmax_step(s[q], valid[q], c, f->mx + m, f->lsum + m * CHUNK, pp[q]);
+        acc[q] = f->acc + (int64_t)m * hd;
+    }
+    block_pv(pp, corr, f->vi, acc, hd, nb, pf);
 }
 
 /* acc (permuted d order) times inv, back in d order, rounded to bf16. */
@@ -316,62 +425,59 @@ static inline void store_row_bf16(const float *acc, float inv, int hd, uint16_t 
     }
 }
 
-/* Blocks sit anywhere in the pool, so the hardware prefetcher cannot follow them: fetch the next
- * chunk's K and V rows while this one is computed. */
-static inline void prefetch_rows(const uint16_t *kc, const uint16_t *vc, const int64_t *rows, int n, int hd) {
-    for (int j = 0; j < n; j++)
-        for (int off = 0; off < hd; off += 32) {
-            _mm_prefetch((const char *)(kc + rows[j] * hd + off), PREFETCH_HINT);
-            _mm_prefetch((const char *)(vc + rows[j] * hd + off), PREFETCH_HINT);
-        }
+/* Rows of the chunk's keys for KV head h; lanes past the context read zeros. */
+static inline void chunk_pointers(const Attn *a, const int64_t *table, int64_t c0, int n, int h,
+                                  const uint16_t *krows[CHUNK], const uint16_t *vrows[CHUNK]) {
+    int64_t rows[CHUNK];
+    chunk_rows(a, table, c0, n, h, rows);
+    for (int j = 0; j < CHUNK; j++) {
+        krows[j] = j < n ? (const uint16_t *)a->k_cache + rows[j] * a->head_dim : ZERO_ROW;
+        vrows[j] = j < n ? (const uint16_t *)a->v_cache + rows[j] * a->head_dim : ZERO_ROW;
+    }
 }
 
-static inline const uint32_t *query_pairs(const Attn *a, int64_t token, int head) {
-    return (const uint32_t *)((const uint16_t *)a->q + token * a->q_stride + (int64_t)head * a->head_dim);
-}
-
-/* One tile, one KV head, all heads of its group, bf16; hd is a constant where inlined for 64 / 128. */
-static inline __attribute__((always_inline)) void fast_tile(const Attn *a, const Tile *t, int h, Fast *f,
-                                                            const int hd) {
-    const int group = a->group, nq = (int)t->num_tokens * group;
-    const float c = a->scale * 1.44269504088896341f;  /* log2(e) */
-    const uint16_t *kc = a->k_cache, *vc = a->v_cache;
-    const int64_t *table = a->block_tables + t->seq * a->max_blocks, last = t->context + t->num_tokens - 1;
+/* One work item, bf16: tile t, KV heads h0 .. h1-1 with all heads of their groups; hd is a constant
+ * where inlined for 64 / 128. Chunks outer, KV heads inner, so a decode row streams each block once,
+ * front to back. Query head m of the item: m = ((h - h0) * tokens + i) * group + g. */
+static inline __attribute__((always_inline)) void fast_item(const Attn *a, const Tile *t, int h0, int h1,
+                                                            Fast *f, const int hd) {
+    const int group = a->group, nt = (int)t->num_tokens, per_head = nt * group;
+    const int nq = (h1 - h0) * per_head;
+    const int64_t *table = a->block_tables + t->seq * a->max_blocks, last = t->context + nt - 1;
     memset(f->acc, 0, sizeof(float) * nq * hd);
     memset(f->lsum, 0, sizeof(float) * nq * CHUNK);
     for (int m = 0; m < nq; m++) f->mx[m] = -INFINITY;
-    int64_t rows[CHUNK], ahead[CHUNK];
-    for (int64_t c0 = 0; c0 < PREFETCH_CHUNKS * CHUNK && c0 < last; c0 += CHUNK) {
-        chunk_rows(a, table, c0, imin(CHUNK, last - c0), h, ahead);
-        prefetch_rows(kc, vc, ahead, imin(CHUNK, last - c0), hd);
-    }
-    const uint16_t *krows[CHUNK], *vrows[CHUNK];
+    Prefetch pf;
+    prefetch_start(&pf, a, table, 0, imin(CHUNK, last), h0, h1, 1);
+    prefetch_rest(&pf);  /* the first chunk: nothing to hide it behind */
     for (int64_t c0 = 0; c0 < last; c0 += CHUNK) {
         int n = imin(CHUNK, last - c0);
-        int64_t cp = c0 + PREFETCH_CHUNKS * CHUNK;
-        if (cp < last) {
-            chunk_rows(a, table, cp, imin(CHUNK, last - cp), h, ahead);
-            prefetch_rows(kc, vc, ahead, imin(CHUNK, last - cp), hd);
-        }
-        chunk_rows(a, table, c0, n, h, rows);
-        for (int j = 0; j < CHUNK; j++) {
-            krows[j] = j < n ? kc + rows[j] * hd : ZERO_ROW;
-            vrows[j] = j < n ? vc + rows[j] * hd : ZERO_ROW;
-        }
-        stage_chunk(krows, vrows, hd, f);
-        for (int i = 0; i < t->num_tokens; i++) {
-            int64_t ctx = t->context + i;
-            if (ctx <= c0) continue;  /* this chunk is in the query's future */
-            __mmask16 valid = ctx - c0 >= CHUNK ? (__mmask16)0xffff : (__mmask16)((1u << (ctx - c0)) - 1);
-            for (int g = 0; g < group; g++) {
-                int m = i * group + g;
-                __m512 s = chunk_scores(query_pairs(a, t->first + i, h * group + g), f->kt, hd);
-                chunk_update(s, valid, c, f->vi, hd, f->mx + m, f->lsum + m * CHUNK, f->acc + (int64_t)m * hd);
+        /* tokens before `first_token` have not reached this chunk yet (causal) */
+        int first_token = c0 >= t->context ? (int)(c0 - t->context + 1) : 0;
+        int blocks = (h1 - h0) * ((nt - first_token) * group + 3) / 4;
+        int64_t ahead = c0 + PREFETCH_CHUNKS * CHUNK;
+        pf.num_rows = 0;
+        if (ahead < last)
+            prefetch_start(&pf, a, table, ahead, imin(CHUNK, last - ahead), h0, h1,
+                           blocks * (hd / 32 * 2 + CHUNK / 2));
+        for (int h = h0; h < h1; h++) {
+            const uint16_t *krows[CHUNK], *vrows[CHUNK];
+            chunk_pointers(a, table, c0, n, h, krows, vrows);
+            stage_keys(krows, hd, f->kb);
+            stage_values(vrows, hd, f->vi);
+            int m = (h - h0) * per_head + first_token * group, end = (h - h0 + 1) * per_head;
+            for (; m + 4 <= end; m += 4) chunk_block(a, t, h0, nt, m, 4, c0, f, hd, &pf);
+            switch (end - m) {
+                case 3: chunk_block(a, t, h0, nt, m, 3, c0, f, hd, &pf); break;
+                case 2: chunk_block(a, t, h0, nt, m, 2, c0, f, hd, &pf); break;
+                case 1: chunk_block(a, t, h0, nt, m, 1, c0, f, hd, &pf); break;
+                default: break;
             }
         }
+        prefetch_rest(&pf);
     }
     for (int m = 0; m < nq; m++) {
-        int64_t token = t->first + m / group, head = h * group + m % group;
+        int64_t token = t->first + m / group % nt, head = (h0 + m / per_head) * group + m % group;
         float l = _mm512_reduce_add_ps(_mm512_load_ps(f->lsum + m * CHUNK));
         store_row_bf16(f->acc + (int64_t)m * hd, 1.0f / l, hd,
                        (uint16_t *)a->out + (token * a->num_heads + head) * hd);
@@ -392,42 +498,64 @@ static int64_t scratch_bytes(const Attn *a, int64_t max_queries, int is_bf16) {
     return sizeof(float) * generic_scratch(a, max_queries);
 }
 
-/* One work item: tile t, KV head h. Constant head sizes let the compiler unroll the inner loops. */
-static void run_item(const Attn *a, const Tile *t, int h, char *buf, int64_t max_queries, int is_bf16) {
+/* One work item: tile t, KV heads h0 .. h1-1. Constant head sizes let the compiler unroll the loops. */
+static void run_item(const Attn *a, const Tile *t, int h0, int h1, char *buf, int64_t max_queries,
+                     int is_bf16) {
 #if HAVE_AVX512BF16
     if (use_fast_path(a, is_bf16)) {
         Fast f = fast_scratch(a, max_queries, buf);
-        if (a->head_dim == 64) fast_tile(a, t, h, &f, 64);
-        else if (a->head_dim == 128) fast_tile(a, t, h, &f, 128);
-        else fast_tile(a, t, h, &f, a->head_dim);
+        if (a->head_dim == 64) fast_item(a, t, h0, h1, &f, 64);
+        else if (a->head_dim == 128) fast_item(a, t, h0, h1, &f, 128);
+        else fast_item(a, t, h0, h1, &f, a->head_dim);
         return;
     }
 #endif
     (void)max_queries;
-    if (is_bf16) generic_tile(a, t, h, (float *)buf, 1);
-    else generic_tile(a, t, h, (float *)buf, 0);
+    for (int h = h0; h < h1; h++) {
+        if (is_bf16) generic_tile(a, t, h, (float *)buf, 1);
+        else generic_tile(a, t, h, (float *)buf, 0);
+    }
 }
 
-/* Parallel over (tile, KV head), biggest last tiles first (tiles are in sequence order, and a
- * sequence's later tiles see more context). Returns 0, or -1 if scratch could not be allocated. */
+/* Work items: a one-token tile (decode row) is one item over all KV heads, so it reads each block
+ * front to back in one go; a longer tile is one item per KV head (its K/V are reused by many queries,
+ * and the finer items balance the threads). Last tiles first: within a sequence, later tiles see more
+ * context, so the longest items start first. item[k] = (tile, h0, h1); returns the count. */
+static int64_t make_items(const Attn *a, const int64_t *tiles, int num_tiles, int64_t (*items)[3],
+                          int64_t *max_queries) {
+    int64_t n = 0;
+    *max_queries = 0;
+    for (int i = num_tiles - 1; i >= 0; i--) {
+        int64_t tokens = tiles[4 * i + 2], step = tokens == 1 ? a->num_kv_heads : 1;
+        for (int h = 0; h < a->num_kv_heads; h += (int)step) {
+            items[n][0] = i, items[n][1] = h, items[n][2] = h + step, n++;
+        }
+        int64_t queries = tokens * step * a->group;
+        *max_queries = queries > *max_queries ? queries : *max_queries;
+    }
+    return n;
+}
+
+/* Parallel over work items, dynamic schedule. Returns 0, or -1 if scratch could not be allocated. */
 static int run(const Attn *a, const int64_t *tiles, int num_tiles, int is_bf16) {
-    int64_t max_tokens = 0;
-    for (int i = 0; i < num_tiles; i++) max_tokens = tiles[4 * i + 2] > max_tokens ? tiles[4 * i + 2] : max_tokens;
-    int64_t max_queries = max_tokens * a->group, bytes = scratch_bytes(a, max_queries, is_bf16);
-    int64_t num_items = (int64_t)num_tiles * a->num_kv_heads;
+    int64_t (*items)[3] = malloc(sizeof(*items) * ((size_t)num_tiles * a->num_kv_heads + 1));
+    if (items == NULL) return -1;
+    int64_t max_queries, num_items = make_items(a, tiles, num_tiles, items, &max_queries);
+    int64_t bytes = scratch_bytes(a, max_queries, is_bf16);
     int failed = 0;
 #pragma omp parallel reduction(|:failed)
     {
         char *buf = malloc(bytes);
         failed = buf == NULL;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = num_items - 1; item >= 0; item--) {
+        for (int64_t k = 0; k < num_items; k++) {
             if (buf == NULL) continue;
-            const Tile *t = (const Tile *)(tiles + 4 * (item / a->num_kv_heads));
-            run_item(a, t, (int)(item % a->num_kv_heads), buf, max_queries, is_bf16);
+            const Tile *t = (const Tile *)(tiles + 4 * items[k][0]);
+            run_item(a, t, (int)items[k][1], (int)items[k][2], buf, max_queries, is_bf16);
         }
         free(buf);
     }
+    free(items);
     return failed ? -1 : 0;
 }
 
