@@ -34,7 +34,8 @@ def env_ints(name: str, default: str) -> list[int]:
 
 def make_weights() -> dict[str, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return {name: [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for _ in range(1 if name == "lm_head" else LAYERS)]
+    copies = {name: 1 if name == "lm_head" else LAYERS for name in SHAPES}
+    return {name: [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for _ in range(copies[name])]
             for name, (n, k) in SHAPES.items()}
 
 
@@ -50,7 +51,8 @@ def fake_step(fn: Linear, weights: dict[str, list[torch.Tensor]], xs: dict[int, 
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def measure(fns: dict[str, Linear], weights: dict[str, list[torch.Tensor]], m: int, reps: int) -> dict[str, dict[str, float]]:
+def measure(fns: dict[str, Linear], weights: dict[str, list[torch.Tensor]], m: int,
+            reps: int) -> dict[str, dict[str, float]]:
     xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES.values()}}
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in fns}
     for rep in range(reps + 1):  # rep 0 warms up; the order alternates so neither side always goes first

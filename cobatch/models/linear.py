@@ -8,7 +8,9 @@ linear_microbench.py). It reads the weights in their stored [N, K] layout: no re
 `linear(x, weight, bias)` is a drop-in for F.linear: it takes the kernel when x, weight (and bias) are
 contiguous CPU bf16 tensors, no autograd is recording and the row count is at most MAX_ROWS; anything
 else (other dtypes, devices, strides, COBATCH_NO_NATIVE=1, a CPU without AVX512-BF16, no compiler) goes
-to F.linear. Results match F.linear up to fp32 summation order (each output rounded once to bf16).
+to F.linear. Results match F.linear up to fp32 summation order (each output rounded once to bf16; the
+kernel flushes denormals to zero), and a row's result does not depend on the other rows of its batch or
+on the thread count.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import torch.nn.functional as F
 
 from cobatch.models.native import load_library
 
-# Largest M (rows of x) sent to the kernel. Measured crossover vs F.linear, weights not in cache, 2 and
-# 1 threads, every SmolLM2-135M shape: the kernel is ahead up to M = 256 (see scripts/linear_microbench.py);
-# prefill-sized M stays on oneDNN, whose blocked GEMM is made for it.
+# Largest M (rows of x) sent to the kernel: the measured crossover vs F.linear (weights not in cache,
+# SmolLM2-135M shapes, scripts/linear_microbench.py). At 2 threads the kernel is 1.01-1.09x at M = 256,
+# about even at 384, 0.88-0.93x at 512; at 1 thread even at 256 (lm_head 0.95x). Prefill-sized M stays
+# on oneDNN, whose blocked GEMM is made for it.
 MAX_ROWS = 256
 
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -77,6 +80,6 @@ def native_linear() -> NativeLinear | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), by the native kernel where it is faster (see the module docstring)."""
     kernel = native_linear()
-    if kernel is not None and x.numel() <= MAX_ROWS * weight.shape[-1] and kernel.supports(x, weight, bias):
+    if kernel is not None and kernel.supports(x, weight, bias) and x.numel() <= MAX_ROWS * x.shape[-1]:
         return kernel(x, weight, bias)
     return F.linear(x, weight, bias)
