@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2) over a flat ragged batch.
 
 gpt-fast style: explicit arguments, no HF plumbing. Q/K/V and gate/up projections are fused at load time
-(one matmul each); the residual add + RMSNorm, RoPE and SiLU-multiply are fused native ops (fused_ops.py).
+(one matmul each), run by the native small-M bf16 kernel at decode sizes (linear.py, oneDNN otherwise);
+the residual add + RMSNorm, RoPE and SiLU-multiply are fused native ops (fused_ops.py).
 `forward` runs the whole step's tokens `[T]` through the layers; `compute_logits` then
 runs the final norm and lm_head only on the rows that sample.
 """
@@ -18,6 +19,7 @@ from torch import nn
 
 from cobatch.models.attention import AttentionMetadata, paged_attention
 from cobatch.models.fused_ops import FusedOps, fused_ops
+from cobatch.models.linear import linear
 from cobatch.models.model_config import ModelConfig, RopeScaling
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -103,18 +105,18 @@ class DecoderLayer(nn.Module):
         with scope("attention", profile):
             out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, nh hd]
         with scope("o_proj", profile):
-            attn = F.linear(out, self.o_proj, self.o_bias)
+            attn = linear(out, self.o_proj, self.o_bias)
         with scope("norm", profile):
             h = ops.add_rms_norm(attn, residual, self.post_attention_norm, self.eps)
         with scope("mlp", profile):
-            return F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj), residual
+            return linear(ops.silu_mul(linear(h, self.gate_up_proj)), self.down_proj), residual
 
     def qkv_rope(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused QKV, RoPE on q and k in place: [T, H] -> q [T, nh, hd], k and v [T, kvh, hd] (views)."""
         num_tokens = x.shape[0]
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, (nh + 2 kvh) hd]: rows q | k | v
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [T, (nh + 2 kvh) hd]: rows q | k | v
         ops.rope(qkv, rope[0], rope[1], positions, nh + kvh, hd)
         q = qkv[:, :nh * hd].view(num_tokens, nh, hd)
         k = qkv[:, nh * hd:(nh + kvh) * hd].view(num_tokens, kvh, hd)
@@ -153,4 +155,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head on the sampled rows only: [R, H] -> fp32 logits [R, V]."""
         hidden = self.ops.add_rms_norm(None, hidden.contiguous(), self.norm, self.config.rms_norm_eps)
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
