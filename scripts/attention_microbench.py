@@ -15,6 +15,8 @@ if os.environ.get("PA_SO"):  # a variant build (A/B of compile-time settings)
     kernel = AttentionKernel(ctypes.CDLL(os.environ["PA_SO"]))
 else:
     kernel = load_attention_kernel()
+if os.environ.get("TILE"):  # query tokens per tile (A/B)
+    kernel.tile_tokens = int(os.environ["TILE"])
 LAYERS, BLOCKS, BS, NH, KVH, HD = 30, 2400, 16, 9, 3, 64
 dtype = getattr(torch, os.environ.get("DTYPE", "bfloat16"))
 def cache() -> torch.Tensor:

@@ -24,7 +24,7 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the tor
 # (num_computed, num_new) per row: decode rows first, then a fresh prefill, a chunk over cached
 # context, a prefix-cache hit resuming mid-block, a one-token prompt.
 MIXED_ROWS = [(0, 1), (4, 1), (16, 1), (39, 1), (0, 37), (21, 19), (32, 17), (5, 3)]
-HEADS = [(4, 4, 64), (9, 3, 64), (8, 2, 32), (4, 1, 80), (8, 2, 128)]  # (nh, kvh, hd)
+HEADS = [(4, 4, 64), (9, 3, 64), (8, 2, 32), (4, 1, 80), (8, 2, 128), (4, 2, 40)]  # (nh, kvh, hd)
 
 
 class Case:
@@ -113,18 +113,21 @@ def test_kernel_random_ragged_batches(seed: int) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_bits_do_not_depend_on_tiling_or_batch(dtype: torch.dtype) -> None:
-    """A query's numbers depend on its own context only: not on tile size, nor on the other rows."""
-    case = Case(dtype, (9, 3, 64), 16, MIXED_ROWS)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 80), (8, 2, 128), (4, 2, 40)])
+def test_row_bits_do_not_depend_on_tiling_or_batch(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
+    """A query's numbers depend on its own context only: not on tile size, nor on the other rows (alone,
+    a decode row is split over KV heads instead of being one work item)."""
+    case = Case(dtype, heads, 16, MIXED_ROWS)
     batched = case.kernel(tile_tokens=16)
     for tile_tokens in (1, 5, 64):
         assert torch.equal(case.kernel(tile_tokens=tile_tokens), batched)
-    alone = Case(dtype, (9, 3, 64), 16, MIXED_ROWS)
-    alone.rows, alone.num_computed, alone.num_new = MIXED_ROWS[5:6], alone.num_computed[5:6], alone.num_new[5:6]
-    alone.tables = case.tables[5:6]
-    first = sum(n for _, n in MIXED_ROWS[:5])
-    q = case.q[first:first + MIXED_ROWS[5][1]]
-    assert torch.equal(alone.kernel(q=q), batched[first:first + MIXED_ROWS[5][1]])
+    first = 0
+    for r, (_, new) in enumerate(MIXED_ROWS):
+        alone = Case(dtype, heads, 16, MIXED_ROWS)
+        alone.rows, alone.tables = MIXED_ROWS[r:r + 1], case.tables[r:r + 1]
+        alone.num_computed, alone.num_new = case.num_computed[r:r + 1], case.num_new[r:r + 1]
+        assert torch.equal(alone.kernel(q=case.q[first:first + new]), batched[first:first + new])
+        first += new
 
 
 @needs_kernel
@@ -137,13 +140,15 @@ def test_kernel_reads_q_with_a_token_stride() -> None:
 
 
 @needs_kernel
-def test_bf16_fast_path_where_the_cpu_has_it() -> None:
-    from cobatch.runner.model_runner import cpu_has_fast_bf16
-
+def test_avx512_path_where_the_cpu_has_it() -> None:
+    """The shapes above cover both paths: AVX-512 where the CPU has it, plain C for odd head sizes."""
     assert KERNEL is not None
-    assert not KERNEL.uses_avx512_bf16(80)  # head_dim % 32 != 0: the generic path
-    if cpu_has_fast_bf16() and "avx512_bf16" in open("/proc/cpuinfo").read():
-        assert KERNEL.uses_avx512_bf16(64) and KERNEL.uses_avx512_bf16(128)
+    flags = open("/proc/cpuinfo").read()
+    assert not KERNEL.uses_avx512(torch.bfloat16, 80) and not KERNEL.uses_avx512(torch.float32, 40)
+    if "avx512_bf16" in flags:
+        assert KERNEL.uses_avx512(torch.bfloat16, 64) and KERNEL.uses_avx512(torch.bfloat16, 128)
+    if "avx512bw" in flags:
+        assert KERNEL.uses_avx512(torch.float32, 64) and KERNEL.uses_avx512(torch.float32, 80)
 
 
 def test_make_tiles() -> None:

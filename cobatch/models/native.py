@@ -45,15 +45,15 @@ class AttentionKernel:
         self._fns = {torch.float32: lib.paged_attention_f32, torch.bfloat16: lib.paged_attention_bf16}
         for fn in self._fns.values():
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-        self._bf16_is_fast = lib.paged_attention_bf16_is_fast
-        self._bf16_is_fast.argtypes, self._bf16_is_fast.restype = [ctypes.c_int], ctypes.c_int
+        self._is_fast = lib.paged_attention_is_fast
+        self._is_fast.argtypes, self._is_fast.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
 
     def supports(self, dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in self._fns
 
-    def uses_avx512_bf16(self, head_dim: int) -> bool:
-        """Whether bf16 at this head size runs the AVX512-BF16 path (else the generic C path)."""
-        return bool(self._bf16_is_fast(head_dim))
+    def uses_avx512(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether this dtype and head size run the AVX-512 path (else the plain C one)."""
+        return bool(self._is_fast(dtype == torch.bfloat16, head_dim))
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, tiles: torch.Tensor, scale: float) -> torch.Tensor:

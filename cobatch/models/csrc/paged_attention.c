@@ -3,7 +3,7 @@
  *
  * Why one kernel: every query token is a row with its own visible context (a decode row sees seq_len
  * keys; a prefill token at position p sees p + 1: causal), so chunked prefill and prefix-cache hits need
- * no gather and no mask; the context is already in the cache. Consecutive query tokens of one sequence
+ * no gather and no mask: the context is already in the cache. Consecutive query tokens of one sequence
  * form a tile, so a prefill tile reads each K/V chunk once for all its queries and all query heads of a
  * KV head's group (GQA).
  *
@@ -15,24 +15,34 @@
  *   tiles         [num_tiles, 4] int64: (seq, first token, num tokens, context of the first token); the
  *                 tile's token i (row first + i of q and out) sees keys 0 .. context + i - 1.
  * Key position p of sequence s lives at slot block_tables[s][p / block_size] * block_size + p % block_size.
+ * Only keys inside some query's context are read (past the tile's last one, lanes read a zero row).
  *
  * Numerics: online softmax over chunks of CHUNK keys aligned to absolute positions, fp32 state. A query's
- * arithmetic depends only on its own q, context and the cache, never on its tile or on the rest of the
- * batch: batch composition cannot change a row's bits (the determinism tests rely on this).
- *   fp32, and bf16 without AVX512-BF16 or head_dim % 32 != 0: plain C (generic_tile), fp32 throughout.
- *   bf16 with AVX512-BF16: QK^T and PV on vdpbf16ps with fp32 accumulation; the probabilities are
- *   rounded to bf16 before PV (as HF's eager bf16 attention casts them before P @ V).
+ * arithmetic depends only on its own q, context and the cache, never on its tile, its work item or the
+ * rest of the batch: batch composition cannot change a row's bits (the determinism tests rely on this).
+ *   fp32, and bf16 without AVX512-BF16 or with head_dim % 32 != 0: plain C (generic_item), fp32 math.
+ *   bf16 with AVX512-BF16 (fast_item): QK^T and PV on vdpbf16ps with fp32 accumulation, scores with the
+ *   keys along the vector lanes (no horizontal sums per key); probabilities rounded to bf16 before PV,
+ *   as HF's eager bf16 attention casts them before P @ V.
  *
- * Parallel over (tile, KV head) work items, dynamic schedule. Built at first use with the system C
+ * Work items (make_items): a decode row over all KV heads (it streams each block front to back), a
+ * longer tile per KV head; dynamic schedule, longest first. Decode is memory-bound: the next chunk's
+ * K/V are prefetched into L2 a few lines per compute step. Built at first use with the system C
  * compiler (native.py); OpenMP shares torch's runtime (same libgomp), so torch.set_num_threads governs it.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+#if HAVE_AVX512 && defined(__AVX512BF16__)
 #define HAVE_AVX512BF16 1
 #else
 #define HAVE_AVX512BF16 0
@@ -42,7 +52,7 @@ enum { CHUNK = 16 };  /* keys per softmax step: one fp32 vector of scores on AVX
 enum { MAX_FAST_HEAD_DIM = 256 };
 /* Software prefetch of K/V one chunk ahead, into L2 (T1): measured at decode B=64 ctx 256, 2 threads,
  * T1 beat T0 (~16-19 vs ~22-25 ms per 30 layers; T0 evicts the chunk in use from L1) and farther
- * distances were no better. */
+ * distances were no better. -D overrides are for such A/B builds. */
 #ifndef PREFETCH_CHUNKS
 #define PREFETCH_CHUNKS 1
 #endif
@@ -91,22 +101,21 @@ static inline int imin(int64_t x, int64_t y) { return (int)(x < y ? x : y); }
 
 /* ------------------------------------------------------------------------------------ generic path */
 
+/* x . y in 16 fixed lanes, then a fixed-order sum: the same bits wherever x and y sit (an auto-vectorized
+ * reduction peels iterations by alignment, and the scratch rows' alignment depends on the tile). */
 static inline float dot(const float *restrict x, const float *restrict y, int n) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+:sum)
-    for (int i = 0; i < n; i++) sum += x[i] * y[i];
+    float part[16] = {0.0f}, sum = 0.0f;
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) part[l] += x[i + l] * y[i + l];
+    for (; i < n; i++) part[i % 16] += x[i] * y[i];
+    for (int l = 0; l < 16; l++) sum += part[l];
     return sum;
 }
 
-static inline void load_f32(const void *src, int64_t index, int n, int is_bf16, float *restrict dst) {
-    if (!is_bf16) { memcpy(dst, (const float *)src + index * n, sizeof(float) * n); return; }
-    const uint16_t *s = (const uint16_t *)src + index * n;
-    for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
-}
-
-/* Online-softmax step of one query head over n keys: scores s, values vc [n][hd]. */
-static inline void generic_update(const float *s, int n, const float *vc, int hd, float *mx, float *sum,
-                                  float *restrict acc) {
+/* Online-softmax step of one query head over n keys: scores s, value rows v[j] (hd each). */
+static inline void generic_update(const float *s, int n, const float *const *v, int hd, float *mx,
+                                  float *sum, float *restrict acc) {
     float cmax = -INFINITY;
     for (int j = 0; j < n; j++) cmax = s[j] > cmax ? s[j] : cmax;
     float mnew = cmax > *mx ? cmax : *mx, corr = expf(*mx - mnew);
@@ -116,84 +125,100 @@ static inline void generic_update(const float *s, int n, const float *vc, int hd
     for (int d = 0; d < hd; d++) acc[d] *= corr;
     for (int j = 0; j < n; j++) {
         float p = expf(s[j] - mnew);
+        const float *restrict vj = v[j];
         *sum += p;
 #pragma omp simd
-        for (int d = 0; d < hd; d++) acc[d] += p * vc[j * hd + d];
+        for (int d = 0; d < hd; d++) acc[d] += p * vj[d];
     }
 }
 
-/* Scratch floats one thread needs for tiles of up to `max_queries` query heads. */
+/* Scratch floats one thread needs for items of up to `max_queries` query heads. */
 static int64_t generic_scratch(const Attn *a, int64_t max_queries) {
     return max_queries * (2 * (int64_t)a->head_dim + 2) + 2 * CHUNK * (int64_t)a->head_dim;
 }
 
-/* One tile, one KV head, all heads of its group; fp32 state, dtype of q/cache/out per is_bf16. */
-static inline __attribute__((always_inline)) void generic_tile(const Attn *a, const Tile *t, int h,
-                                                               float *buf, int is_bf16) {
-    const int hd = a->head_dim, group = a->group, nq = (int)t->num_tokens * group;
+/* Rows of the chunk's keys for KV head h as fp32: the cache rows themselves (fp32), or converted into
+ * kc / vc (bf16). */
+static inline void generic_rows(const Attn *a, const int64_t *table, int64_t c0, int n, int h, int hd,
+                                int is_bf16, float *kc, float *vc, const float *k[CHUNK], const float *v[CHUNK]) {
+    int64_t rows[CHUNK];
+    chunk_rows(a, table, c0, n, h, rows);
+    for (int j = 0; j < n; j++) {
+        if (!is_bf16) {
+            k[j] = (const float *)a->k_cache + rows[j] * hd, v[j] = (const float *)a->v_cache + rows[j] * hd;
+            continue;
+        }
+        const uint16_t *ks = (const uint16_t *)a->k_cache + rows[j] * hd, *vs = (const uint16_t *)a->v_cache + rows[j] * hd;
+        for (int d = 0; d < hd; d++) kc[j * hd + d] = bf16_to_f32(ks[d]), vc[j * hd + d] = bf16_to_f32(vs[d]);
+        k[j] = kc + j * hd, v[j] = vc + j * hd;
+    }
+}
+
+/* One work item in plain C: tile t, KV heads h0 .. h1-1 with all heads of their groups; fp32 state,
+ * dtype of q/cache/out per is_bf16. Chunks outer, KV heads inner (a decode row streams each block front
+ * to back). Query head m of the item: m = ((h - h0) * tokens + i) * group + g. */
+static inline __attribute__((always_inline)) void generic_item(const Attn *a, const Tile *t, int h0, int h1,
+                                                               float *buf, const int hd, const int is_bf16) {
+    const int group = a->group, nt = (int)t->num_tokens, per_head = nt * group, nq = (h1 - h0) * per_head;
     float *qf = buf, *acc = qf + (int64_t)nq * hd, *mx = acc + (int64_t)nq * hd, *sum = mx + nq;
     float *kc = sum + nq, *vc = kc + CHUNK * hd, s[CHUNK];
-    const int64_t *table = a->block_tables + t->seq * a->max_blocks;
-    for (int i = 0; i < t->num_tokens; i++)
-        for (int g = 0; g < group; g++) {
-            int m = i * group + g;
-            float *qm = qf + (int64_t)m * hd;
-            const char *base = (const char *)a->q + (is_bf16 ? 2 : 4) * ((t->first + i) * a->q_stride);
-            load_f32(base, h * group + g, hd, is_bf16, qm);
-            for (int d = 0; d < hd; d++) qm[d] *= a->scale;
-            mx[m] = -INFINITY, sum[m] = 0.0f;
+    const int64_t *table = a->block_tables + t->seq * a->max_blocks, last = t->context + nt - 1;
+    for (int m = 0; m < nq; m++) {
+        int64_t token = t->first + m / group % nt, head = (h0 + m / per_head) * group + m % group;
+        float *qm = qf + (int64_t)m * hd;
+        for (int d = 0; d < hd; d++) {
+            int64_t i = token * a->q_stride + head * hd + d;
+            qm[d] = a->scale * (is_bf16 ? bf16_to_f32(((const uint16_t *)a->q)[i]) : ((const float *)a->q)[i]);
         }
+        mx[m] = -INFINITY, sum[m] = 0.0f;
+    }
     memset(acc, 0, sizeof(float) * nq * hd);
-    int64_t last = t->context + t->num_tokens - 1;  /* context of the tile's last token */
     for (int64_t c0 = 0; c0 < last; c0 += CHUNK) {
         int n = imin(CHUNK, last - c0);
-        int64_t rows[CHUNK];
-        chunk_rows(a, table, c0, n, h, rows);
-        for (int j = 0; j < n; j++) {
-            load_f32(a->k_cache, rows[j], hd, is_bf16, kc + j * hd);
-            load_f32(a->v_cache, rows[j], hd, is_bf16, vc + j * hd);
-        }
-        for (int i = 0; i < t->num_tokens; i++) {
-            int64_t ctx = t->context + i;
-            if (ctx <= c0) continue;  /* this chunk is in the query's future */
-            int valid = imin(n, ctx - c0);
-            for (int m = i * group; m < (i + 1) * group; m++) {
-                for (int j = 0; j < valid; j++) s[j] = dot(qf + (int64_t)m * hd, kc + j * hd, hd);
-                generic_update(s, valid, vc, hd, mx + m, sum + m, acc + (int64_t)m * hd);
+        int first_token = c0 >= t->context ? (int)(c0 - t->context + 1) : 0;  /* causal */
+        for (int h = h0; h < h1; h++) {
+            const float *k[CHUNK], *v[CHUNK];
+            generic_rows(a, table, c0, n, h, hd, is_bf16, kc, vc, k, v);
+            for (int i = first_token; i < nt; i++) {
+                int valid = imin(n, t->context + i - c0);
+                for (int m = ((h - h0) * nt + i) * group, g = 0; g < group; g++, m++) {
+                    for (int j = 0; j < valid; j++) s[j] = dot(qf + (int64_t)m * hd, k[j], hd);
+                    generic_update(s, valid, v, hd, mx + m, sum + m, acc + (int64_t)m * hd);
+                }
             }
         }
     }
-    for (int i = 0; i < t->num_tokens; i++)
-        for (int g = 0; g < group; g++) {
-            int m = i * group + g;
-            int64_t o = ((t->first + i) * a->num_heads + h * group + g) * hd;
-            float inv = 1.0f / sum[m];
-            for (int d = 0; d < hd; d++) {
-                float v = acc[(int64_t)m * hd + d] * inv;
-                if (is_bf16) ((uint16_t *)a->out)[o + d] = f32_to_bf16(v);
-                else ((float *)a->out)[o + d] = v;
-            }
+    for (int m = 0; m < nq; m++) {
+        int64_t token = t->first + m / group % nt, head = (h0 + m / per_head) * group + m % group;
+        int64_t o = (token * a->num_heads + head) * hd;
+        float inv = 1.0f / sum[m];
+        for (int d = 0; d < hd; d++) {
+            float x = acc[(int64_t)m * hd + d] * inv;
+            if (is_bf16) ((uint16_t *)a->out)[o + d] = f32_to_bf16(x);
+            else ((float *)a->out)[o + d] = x;
         }
+    }
 }
 
-/* ------------------------------------------------------------------------- AVX512-BF16 path (bf16) */
-#if HAVE_AVX512BF16
+/* ------------------------------------------------------------------------- AVX-512 path (fp32, bf16) */
+#if HAVE_AVX512
 
-/* Lanes beyond a chunk's last key read this row: zeros, so garbage past the context never enters. */
-static const uint16_t ZERO_ROW[MAX_FAST_HEAD_DIM] __attribute__((aligned(64)));
+/* Lanes beyond a chunk's last key read this row: zeros, so nothing past the context enters. */
+static const float ZERO_ROW[MAX_FAST_HEAD_DIM] __attribute__((aligned(64)));
 
-/* Per-thread scratch of the bf16 path, 64-byte aligned (the vectors are stored with aligned moves). */
+/* Per-thread scratch, 64-byte aligned (the vectors are stored with aligned moves). A "column" is one
+ * 32-bit element of a row: a bf16 pair (d = 2c, 2c + 1) or one fp32 value. */
 typedef struct {
-    __m512i *kb;    /* [hd/32][16]: K chunk half transposed, see stage_keys */
-    uint32_t *vi;   /* [CHUNK/2][hd]: V chunk, key pairs interleaved: (v[2j][d], v[2j+1][d]) */
-    float *acc;     /* [queries][hd] fp32, d permuted within 32-wide blocks (see store_row_bf16) */
+    __m512i *kb;    /* [columns / 16][16]: K chunk half transposed, see stage_keys */
+    uint32_t *vi;   /* bf16: [CHUNK/2][hd]: V chunk, key pairs interleaved: (v[2j][d], v[2j+1][d]) */
+    float *acc;     /* [queries][hd] fp32; bf16: d permuted within 32-wide blocks (see store_row) */
     float *lsum;    /* [queries][CHUNK]: softmax denominators, summed across lanes at the end */
     float *mx;      /* [queries]: running max of the raw scores */
 } Fast;
 
 static int64_t fast_scratch_bytes(const Attn *a, int64_t max_queries) {
     int64_t hd = a->head_dim;
-    return 4 * (hd / 2 * CHUNK + CHUNK / 2 * hd + max_queries * (hd + CHUNK + 1)) + 64 * 6;
+    return 4 * (hd * CHUNK + CHUNK / 2 * hd + max_queries * (hd + CHUNK + 1)) + 64 * 6;
 }
 
 static Fast fast_scratch(const Attn *a, int64_t max_queries, char *buf) {
@@ -201,7 +226,7 @@ static Fast fast_scratch(const Attn *a, int64_t max_queries, char *buf) {
     int64_t hd = a->head_dim;
     uintptr_t p = ((uintptr_t)buf + 63) & ~(uintptr_t)63;
 #define TAKE(ptr, type, bytes) (ptr = (type *)p, p = (p + (bytes) + 63) & ~(uintptr_t)63)
-    TAKE(f.kb, __m512i, 4 * hd / 2 * CHUNK);
+    TAKE(f.kb, __m512i, 4 * hd * CHUNK);
     TAKE(f.vi, uint32_t, 4 * CHUNK / 2 * hd);
     TAKE(f.acc, float, 4 * max_queries * hd);
     TAKE(f.lsum, float, 4 * max_queries * CHUNK);
@@ -229,15 +254,15 @@ static inline void prefetch_step(Prefetch *p) {
 
 /* Aim at keys c0 .. c0 + n - 1, KV heads h0 .. h1-1 (contiguous within a key), spread over `steps`. */
 static inline void prefetch_start(Prefetch *p, const Attn *a, const int64_t *table, int64_t c0, int n,
-                                  int h0, int h1, int steps) {
-    int64_t rows[CHUNK] = {0};
+                                  int h0, int h1, int steps, int elem_bytes) {
+    int64_t rows[CHUNK] = {0}, row_bytes = (int64_t)a->head_dim * elem_bytes;
     chunk_rows(a, table, c0, n, h0, rows);
     for (int j = 0; j < n; j++) {
-        p->rows[j] = (const char *)((const uint16_t *)a->k_cache + rows[j] * a->head_dim);
-        p->rows[n + j] = (const char *)((const uint16_t *)a->v_cache + rows[j] * a->head_dim);
+        p->rows[j] = (const char *)a->k_cache + rows[j] * row_bytes;
+        p->rows[n + j] = (const char *)a->v_cache + rows[j] * row_bytes;
     }
     p->num_rows = 2 * n;
-    p->lines_per_row = (int)(((int64_t)(h1 - h0) * a->head_dim * 2 + 63) / 64);
+    p->lines_per_row = (int)(((h1 - h0) * row_bytes + 63) / 64);
     p->per_step = (p->num_rows * p->lines_per_row + steps - 1) / (steps > 0 ? steps : 1);
     p->row = p->line = 0;
 }
@@ -247,29 +272,31 @@ static inline void prefetch_rest(Prefetch *p) {
     prefetch_step(p);
 }
 
-/* 2^x for x <= 0 (softmax weights): 2^n * p(f), n = round(x), |f| <= 1/2, degree-6 Taylor polynomial
- * (relative error ~1e-7); x below -126 gives ~2^-126, which bf16 rounding or the mask then drops. */
+/* 2^x for x <= 0 (softmax weights): 2^n * p(f), n = round(x), |f| <= 1/2, degree-7 Taylor polynomial
+ * (relative error ~1e-8, under fp32 rounding); x below -126 gives ~2^-126, which the mask or the
+ * sum of the larger weights then drops. */
 static inline __m512 exp2_ps(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    __m512 p = _mm512_set1_ps(1.525273380e-5f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.540353039e-4f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355815e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129108e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265070e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471806e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
 
-/* K rows of a chunk (16 keys, hd/2 dwords = bf16 pairs each) -> kb, half transposed: two in-lane unpack
- * stages only. For each 16-dword column block cb, kb[cb * 16 + 4i + j] holds in 128-bit lane L, dword r
- * the pair of key 4i + r at column cb * 16 + 4L + j. block_scores pairs it with q's column 4L + j
- * (an in-lane broadcast) and sums the four lanes at the end: the cross-lane half of a transpose is
- * replaced by one reduction per query head. */
-static inline void stage_keys(const uint16_t *const rows[CHUNK], int hd, __m512i *kb) {
-    for (int cb = 0; cb < hd / 32; cb++) {
+/* K rows of a chunk (16 keys, `columns` 32-bit elements each) -> kb, half transposed: two in-lane
+ * unpack stages only. For each 16-column block cb, kb[cb * 16 + 4i + j] holds in 128-bit lane L,
+ * dword r the element of key 4i + r at column cb * 16 + 4L + j. block_scores pairs it with q's column
+ * 4L + j (an in-lane broadcast) and sums the four lanes at the end: the cross-lane half of a transpose
+ * becomes one reduction per query head. */
+static inline void stage_keys(const void *const rows[CHUNK], int columns, __m512i *kb) {
+    for (int cb = 0; cb < columns / 16; cb++) {
         __m512i r[16], t[16];
         for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_si512((const uint32_t *)rows[k] + cb * 16);
         for (int k = 0; k < 16; k += 2) {  /* lane L: keys k, k+1 interleaved, columns 4L, 4L+1 | 4L+2, 4L+3 */
@@ -285,13 +312,14 @@ static inline void stage_keys(const uint16_t *const rows[CHUNK], int hd, __m512i
     }
 }
 
-/* V rows -> vi with key pairs interleaved per 16-bit element. Unpack works within 128-bit lanes, so in
- * each 32-wide block of d the "lo" vector holds d = 0-3, 8-11, 16-19, 24-27 and the "hi" vector the
- * rest; the accumulators keep that order until store_row_bf16. */
-static inline void stage_values(const uint16_t *const rows[CHUNK], int hd, uint32_t *vi) {
+/* bf16 V rows -> vi with key pairs interleaved per 16-bit element. Unpack works within 128-bit lanes,
+ * so in each 32-wide block of d the "lo" vector holds d = 0-3, 8-11, 16-19, 24-27 and the "hi" vector
+ * the rest; the accumulators keep that order until store_row. */
+static inline void stage_values(const void *const rows[CHUNK], int hd, uint32_t *vi) {
     for (int j = 0; j < CHUNK / 2; j++)
         for (int d0 = 0; d0 < hd; d0 += 32) {
-            __m512i x = _mm512_loadu_si512(rows[2 * j] + d0), y = _mm512_loadu_si512(rows[2 * j + 1] + d0);
+            __m512i x = _mm512_loadu_si512((const uint16_t *)rows[2 * j] + d0);
+            __m512i y = _mm512_loadu_si512((const uint16_t *)rows[2 * j + 1] + d0);
             _mm512_store_si512(vi + j * hd + d0, _mm512_unpacklo_epi16(x, y));
             _mm512_store_si512(vi + j * hd + d0 + 16, _mm512_unpackhi_epi16(x, y));
         }
@@ -307,43 +335,55 @@ static inline __m512 sum_lanes(const __m512 acc[4]) {
                          _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* acc += k . x per lane: one bf16-pair dot product (bf16) or one fused multiply-add (fp32). */
+static inline __attribute__((always_inline)) __m512 madd(__m512 acc, __m512i k, __m512i x, const int bf16) {
+#if HAVE_AVX512BF16
+    if (bf16) return _mm512_dpbf16_ps(acc, (__m512bh)k, (__m512bh)x);
+#endif
+    (void)bf16;
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(k), _mm512_castsi512_ps(x), acc);
+}
+
 /* One column j of a 16-column block: acc[q][i] += kb[4i + j] . (q's column 4L + j in every dword of
  * lane L). j must be a constant (shuffle immediate). */
 static inline __attribute__((always_inline)) void scores_column(__m512 acc[4][4], const __m512i qv[4],
-                                                                const __m512i *kb, const int nb, const int j) {
+                                                                const __m512i *kb, const int nb, const int j,
+                                                                const int bf16) {
     __m512i qj[4];
     for (int q = 0; q < nb; q++) qj[q] = _mm512_shuffle_epi32(qv[q], (_MM_PERM_ENUM)(j * 0x55));
     for (int i = 0; i < 4; i++) {
-        __m512bh k = (__m512bh)_mm512_load_si512(kb + 4 * i + j);
-        for (int q = 0; q < nb; q++) acc[q][i] = _mm512_dpbf16_ps(acc[q][i], k, (__m512bh)qj[q]);
+        __m512i k = _mm512_load_si512(kb + 4 * i + j);
+        for (int q = 0; q < nb; q++) acc[q][i] = madd(acc[q][i], k, qj[q], bf16);
     }
 }
 
 /* Raw scores of nb (<= 4, a constant where inlined) query heads against the chunk's 16 keys: each kb
- * load serves all nb heads; 4 nb independent accumulators keep the dot-product units busy. */
+ * load serves all nb heads; 4 nb independent accumulators keep the multiply units busy. */
 static inline __attribute__((always_inline)) void block_scores(const uint32_t *const qp[4], const __m512i *kb,
-                                                               int hd, const int nb, __m512 s[4], Prefetch *pf) {
+                                                               int columns, const int nb, __m512 s[4],
+                                                               Prefetch *pf, const int bf16) {
     __m512 acc[4][4];
     for (int q = 0; q < nb; q++)
         for (int i = 0; i < 4; i++) acc[q][i] = _mm512_setzero_ps();
-    for (int cb = 0; cb < hd / 32; cb++) {
+    for (int cb = 0; cb < columns / 16; cb++) {
         __m512i qv[4];
         for (int q = 0; q < nb; q++) qv[q] = _mm512_loadu_si512(qp[q] + cb * 16);
         prefetch_step(pf);
-        scores_column(acc, qv, kb + cb * 16, nb, 0);
-        scores_column(acc, qv, kb + cb * 16, nb, 1);
+        scores_column(acc, qv, kb + cb * 16, nb, 0, bf16);
+        scores_column(acc, qv, kb + cb * 16, nb, 1, bf16);
         prefetch_step(pf);
-        scores_column(acc, qv, kb + cb * 16, nb, 2);
-        scores_column(acc, qv, kb + cb * 16, nb, 3);
+        scores_column(acc, qv, kb + cb * 16, nb, 2, bf16);
+        scores_column(acc, qv, kb + cb * 16, nb, 3, bf16);
     }
     for (int q = 0; q < nb; q++) s[q] = sum_lanes(acc[q]);
 }
 
 /* Online-softmax step of one query head: fold scores s (lanes outside `valid` ignored) into its running
- * max and denominator; returns the factor its accumulator must be scaled by, and the weights rounded to
- * bf16 as (key 2j, key 2j+1) pairs in pp. c = scale * log2(e): weights are 2^(c * (s - max)). */
-static inline __m512 softmax_step(__m512 s, __mmask16 valid, float c, float *mx, float *lsum,
-                                  uint32_t pp[CHUNK / 2]) {
+ * max and denominator; returns the factor its accumulator must be scaled by, and the weights in w:
+ * bf16, rounded as (key 2j, key 2j+1) pairs (w[0..7]); fp32, as they are. c = scale * log2(e): weights
+ * are 2^(c * (s - max)). */
+static inline __attribute__((always_inline)) __m512 softmax_step(__m512 s, __mmask16 valid, float c, float *mx,
+                                                                 float *lsum, uint32_t w[CHUNK], const int bf16) {
     s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
     float mnew = fmaxf(*mx, _mm512_reduce_max_ps(s));
     __m512 vc = _mm512_set1_ps(c), vmc = _mm512_set1_ps(mnew * c);
@@ -352,27 +392,37 @@ static inline __m512 softmax_step(__m512 s, __mmask16 valid, float c, float *mx,
     *mx = mnew;
     __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_fmsub_ps(s, vc, vmc)));
     _mm512_store_ps(lsum, _mm512_fmadd_ps(_mm512_load_ps(lsum), corr, p));
-    _mm256_storeu_si256((__m256i *)pp, (__m256i)_mm512_cvtneps_pbh(p));
+#if HAVE_AVX512BF16
+    if (bf16) {
+        _mm256_storeu_si256((__m256i *)w, (__m256i)_mm512_cvtneps_pbh(p));
+        return corr;
+    }
+#endif
+    (void)bf16;
+    _mm512_storeu_ps(w, p);
     return corr;
 }
 
-/* acc = acc * corr + P V for nb (<= 4) query heads, 64 values of d at a time: each vi load serves all
- * nb heads. */
-static inline __attribute__((always_inline)) void block_pv(const uint32_t pp[4][CHUNK / 2], const __m512 corr[4],
-                                                           const uint32_t *vi, float *const acc[4], int hd,
-                                                           const int nb, Prefetch *pf) {
+/* acc = acc * corr + P V for nb (<= 4) query heads, 64 values of d at a time: each V load serves all
+ * nb heads. bf16: V from vi, weights as key pairs; fp32: V rows straight from the cache. */
+static inline __attribute__((always_inline)) void block_pv(const uint32_t w[4][CHUNK], const __m512 corr[4],
+                                                           const uint32_t *vi, const void *const vrows[CHUNK],
+                                                           float *const acc[4], int hd, const int nb,
+                                                           Prefetch *pf, const int bf16) {
+    const int steps = bf16 ? CHUNK / 2 : CHUNK;  /* key pairs or keys */
     for (int d0 = 0; d0 < hd; d0 += 64) {
-        const int n = hd - d0 >= 64 ? 4 : 2;  /* hd is a multiple of 32 */
+        const int n = imin(4, (hd - d0) / 16);
         __m512 o[4][4];
         for (int q = 0; q < nb; q++)
             for (int k = 0; k < n; k++) o[q][k] = _mm512_mul_ps(_mm512_load_ps(acc[q] + d0 + 16 * k), corr[q]);
-        for (int j = 0; j < CHUNK / 2; j++) {
+        for (int j = 0; j < steps; j++) {
             prefetch_step(pf);
-            __m512bh w[4];
-            for (int q = 0; q < nb; q++) w[q] = (__m512bh)_mm512_set1_epi32(pp[q][j]);
+            __m512i wj[4];
+            for (int q = 0; q < nb; q++) wj[q] = _mm512_set1_epi32((int)w[q][j]);
             for (int k = 0; k < n; k++) {
-                __m512bh v = (__m512bh)_mm512_load_si512(vi + j * hd + d0 + 16 * k);
-                for (int q = 0; q < nb; q++) o[q][k] = _mm512_dpbf16_ps(o[q][k], v, w[q]);
+                __m512i v = bf16 ? _mm512_load_si512(vi + j * hd + d0 + 16 * k)
+                                 : _mm512_loadu_si512((const float *)vrows[j] + d0 + 16 * k);
+                for (int q = 0; q < nb; q++) o[q][k] = madd(o[q][k], v, wj[q], bf16);
             }
         }
         for (int q = 0; q < nb; q++)
@@ -380,15 +430,23 @@ static inline __attribute__((always_inline)) void block_pv(const uint32_t pp[4][
     }
 }
 
-static inline const uint32_t *query_pairs(const Attn *a, int64_t token, int head) {
-    return (const uint32_t *)((const uint16_t *)a->q + token * a->q_stride + (int64_t)head * a->head_dim);
+/* The 32-bit columns of query head `head` of a token. */
+static inline const uint32_t *query_columns(const Attn *a, int64_t token, int head, int elem_bytes) {
+    return (const uint32_t *)((const char *)a->q + (token * a->q_stride + (int64_t)head * a->head_dim) * elem_bytes);
 }
+
+/* The staged chunk of one KV head. */
+typedef struct {
+    const __m512i *kb;
+    const uint32_t *vi;            /* bf16 */
+    const void *const *vrows;      /* fp32 */
+} Chunk;
 
 /* One chunk for nb consecutive query heads of the item (index m = (kv head offset, token, head in
  * group), see fast_item); `valid` masks per head. */
 static inline __attribute__((always_inline)) void chunk_block(const Attn *a, const Tile *t, int h0, int nt,
-                                                              int m0, const int nb, int64_t c0, Fast *f,
-                                                              int hd, Prefetch *pf) {
+                                                              int m0, const int nb, int64_t c0, const Chunk *ch,
+                                                              Fast *f, int hd, Prefetch *pf, const int bf16) {
     const int group = a->group;
     const uint32_t *qp[4];
     __mmask16 valid[4];
@@ -396,137 +454,164 @@ static inline __attribute__((always_inline)) void chunk_block(const Attn *a, con
         int m = m0 + q, hh = m / (nt * group), i = m / group % nt, head = (h0 + hh) * group + m % group;
         int64_t seen = t->context + i - c0;  /* keys of this chunk the token sees */
         valid[q] = seen >= CHUNK ? (__mmask16)0xffff : (__mmask16)((1u << seen) - 1);
-        qp[q] = query_pairs(a, t->first + i, head);
+        qp[q] = query_columns(a, t->first + i, head, bf16 ? 2 : 4);
     }
     __m512 s[4], corr[4];
-    uint32_t pp[4][CHUNK / 2];
+    uint32_t w[4][CHUNK];
     float *acc[4];
-    block_scores(qp, f->kb, hd, nb, s, pf);
+    block_scores(qp, ch->kb, bf16 ? hd / 2 : hd, nb, s, pf, bf16);
     const float c = a->scale * 1.44269504088896341f;  /* log2(e) */
     for (int q = 0; q < nb; q++) {
         int m = m0 + q;
-        corr[q] = softmax_step(s[q], valid[q], c, f->mx + m, f->lsum + m * CHUNK, pp[q]);
+        corr[q] = softmax_step(s[q], valid[q], c, f->mx + m, f->lsum + m * CHUNK, w[q], bf16);
         acc[q] = f->acc + (int64_t)m * hd;
     }
-    block_pv(pp, corr, f->vi, acc, hd, nb, pf);
+    block_pv(w, corr, ch->vi, ch->vrows, acc, hd, nb, pf, bf16);
 }
 
-/* acc (permuted d order) times inv, back in d order, rounded to bf16. */
-static inline void store_row_bf16(const float *acc, float inv, int hd, uint16_t *out) {
-    const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+/* acc times inv into an output row: fp32 as is; bf16 back in d order (see stage_values), rounded. */
+static inline __attribute__((always_inline)) void store_row(const float *acc, float inv, int hd, void *out,
+                                                            const int bf16) {
     __m512 s = _mm512_set1_ps(inv);
-    for (int d0 = 0; d0 < hd; d0 += 32) {
-        __m512 lo = _mm512_load_ps(acc + d0), hi = _mm512_load_ps(acc + d0 + 16);
-        __m512 x = _mm512_mul_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), s);
-        __m512 y = _mm512_mul_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), s);
-        _mm256_storeu_si256((__m256i *)(out + d0), (__m256i)_mm512_cvtneps_pbh(x));
-        _mm256_storeu_si256((__m256i *)(out + d0 + 16), (__m256i)_mm512_cvtneps_pbh(y));
+#if HAVE_AVX512BF16
+    if (bf16) {
+        const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        for (int d0 = 0; d0 < hd; d0 += 32) {
+            __m512 lo = _mm512_load_ps(acc + d0), hi = _mm512_load_ps(acc + d0 + 16);
+            __m512 x = _mm512_mul_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), s);
+            __m512 y = _mm512_mul_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), s);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + d0), (__m256i)_mm512_cvtneps_pbh(x));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + d0 + 16), (__m256i)_mm512_cvtneps_pbh(y));
+        }
+        return;
     }
+#endif
+    (void)bf16;
+    for (int d0 = 0; d0 < hd; d0 += 16)
+        _mm512_storeu_ps((float *)out + d0, _mm512_mul_ps(_mm512_load_ps(acc + d0), s));
 }
 
 /* Rows of the chunk's keys for KV head h; lanes past the context read zeros. */
 static inline void chunk_pointers(const Attn *a, const int64_t *table, int64_t c0, int n, int h,
-                                  const uint16_t *krows[CHUNK], const uint16_t *vrows[CHUNK]) {
-    int64_t rows[CHUNK];
+                                  int elem_bytes, const void *krows[CHUNK], const void *vrows[CHUNK]) {
+    int64_t rows[CHUNK], row_bytes = (int64_t)a->head_dim * elem_bytes;
     chunk_rows(a, table, c0, n, h, rows);
     for (int j = 0; j < CHUNK; j++) {
-        krows[j] = j < n ? (const uint16_t *)a->k_cache + rows[j] * a->head_dim : ZERO_ROW;
-        vrows[j] = j < n ? (const uint16_t *)a->v_cache + rows[j] * a->head_dim : ZERO_ROW;
+        krows[j] = j < n ? (const char *)a->k_cache + rows[j] * row_bytes : (const void *)ZERO_ROW;
+        vrows[j] = j < n ? (const char *)a->v_cache + rows[j] * row_bytes : (const void *)ZERO_ROW;
     }
 }
 
-/* One work item, bf16: tile t, KV heads h0 .. h1-1 with all heads of their groups; hd is a constant
- * where inlined for 64 / 128. Chunks outer, KV heads inner, so a decode row streams each block once,
- * front to back. Query head m of the item: m = ((h - h0) * tokens + i) * group + g. */
+/* One chunk of one KV head for the item's query heads from token first_token on, in blocks of 4. */
+static inline __attribute__((always_inline)) void chunk_head(const Attn *a, const Tile *t, int h0, int h, int nt,
+                                                             int first_token, int64_t c0, const Chunk *ch,
+                                                             Fast *f, int hd, Prefetch *pf, const int bf16) {
+    const int per_head = nt * a->group;
+    int m = (h - h0) * per_head + first_token * a->group, end = (h - h0 + 1) * per_head;
+    for (; m + 4 <= end; m += 4) chunk_block(a, t, h0, nt, m, 4, c0, ch, f, hd, pf, bf16);
+    switch (end - m) {
+        case 3: chunk_block(a, t, h0, nt, m, 3, c0, ch, f, hd, pf, bf16); break;
+        case 2: chunk_block(a, t, h0, nt, m, 2, c0, ch, f, hd, pf, bf16); break;
+        case 1: chunk_block(a, t, h0, nt, m, 1, c0, ch, f, hd, pf, bf16); break;
+        default: break;
+    }
+}
+
+/* One work item: tile t, KV heads h0 .. h1-1 with all heads of their groups; hd and bf16 are constants
+ * where inlined. Chunks outer, KV heads inner, so a decode row streams each block once, front to back.
+ * Query head m of the item: m = ((h - h0) * tokens + i) * group + g. */
 static inline __attribute__((always_inline)) void fast_item(const Attn *a, const Tile *t, int h0, int h1,
-                                                            Fast *f, const int hd) {
-    const int group = a->group, nt = (int)t->num_tokens, per_head = nt * group;
-    const int nq = (h1 - h0) * per_head;
+                                                            Fast *f, const int hd, const int bf16) {
+    const int group = a->group, nt = (int)t->num_tokens, nq = (h1 - h0) * nt * group;
+    const int elem_bytes = bf16 ? 2 : 4, columns = bf16 ? hd / 2 : hd;
     const int64_t *table = a->block_tables + t->seq * a->max_blocks, last = t->context + nt - 1;
+    /* prefetch steps per block of query heads: see block_scores and block_pv */
+    const int block_steps = columns / 16 * 2 + (hd + 63) / 64 * (bf16 ? CHUNK / 2 : CHUNK);
     memset(f->acc, 0, sizeof(float) * nq * hd);
     memset(f->lsum, 0, sizeof(float) * nq * CHUNK);
     for (int m = 0; m < nq; m++) f->mx[m] = -INFINITY;
     Prefetch pf;
-    prefetch_start(&pf, a, table, 0, imin(CHUNK, last), h0, h1, 1);
+    prefetch_start(&pf, a, table, 0, imin(CHUNK, last), h0, h1, 1, elem_bytes);
     prefetch_rest(&pf);  /* the first chunk: nothing to hide it behind */
     for (int64_t c0 = 0; c0 < last; c0 += CHUNK) {
         int n = imin(CHUNK, last - c0);
-        /* tokens before `first_token` have not reached this chunk yet (causal) */
-        int first_token = c0 >= t->context ? (int)(c0 - t->context + 1) : 0;
-        int blocks = (h1 - h0) * ((nt - first_token) * group + 3) / 4;
+        int first_token = c0 >= t->context ? (int)(c0 - t->context + 1) : 0;  /* causal */
         int64_t ahead = c0 + PREFETCH_CHUNKS * CHUNK;
         pf.num_rows = 0;
         if (ahead < last)
             prefetch_start(&pf, a, table, ahead, imin(CHUNK, last - ahead), h0, h1,
-                           blocks * (hd / 32 * 2 + CHUNK / 2));
+                           (h1 - h0) * (((nt - first_token) * group + 3) / 4) * block_steps, elem_bytes);
         for (int h = h0; h < h1; h++) {
-            const uint16_t *krows[CHUNK], *vrows[CHUNK];
-            chunk_pointers(a, table, c0, n, h, krows, vrows);
-            stage_keys(krows, hd, f->kb);
-            stage_values(vrows, hd, f->vi);
-            int m = (h - h0) * per_head + first_token * group, end = (h - h0 + 1) * per_head;
-            for (; m + 4 <= end; m += 4) chunk_block(a, t, h0, nt, m, 4, c0, f, hd, &pf);
-            switch (end - m) {
-                case 3: chunk_block(a, t, h0, nt, m, 3, c0, f, hd, &pf); break;
-                case 2: chunk_block(a, t, h0, nt, m, 2, c0, f, hd, &pf); break;
-                case 1: chunk_block(a, t, h0, nt, m, 1, c0, f, hd, &pf); break;
-                default: break;
-            }
+            const void *krows[CHUNK], *vrows[CHUNK];
+            chunk_pointers(a, table, c0, n, h, elem_bytes, krows, vrows);
+            stage_keys(krows, columns, f->kb);
+            if (bf16) stage_values(vrows, hd, f->vi);
+            Chunk ch = {f->kb, f->vi, vrows};
+            chunk_head(a, t, h0, h, nt, first_token, c0, &ch, f, hd, &pf, bf16);
         }
         prefetch_rest(&pf);
     }
     for (int m = 0; m < nq; m++) {
-        int64_t token = t->first + m / group % nt, head = (h0 + m / per_head) * group + m % group;
+        int64_t token = t->first + m / group % nt, head = (h0 + m / (nt * group)) * group + m % group;
         float l = _mm512_reduce_add_ps(_mm512_load_ps(f->lsum + m * CHUNK));
-        store_row_bf16(f->acc + (int64_t)m * hd, 1.0f / l, hd,
-                       (uint16_t *)a->out + (token * a->num_heads + head) * hd);
+        store_row(f->acc + (int64_t)m * hd, 1.0f / l, hd,
+                  (char *)a->out + (token * a->num_heads + head) * hd * elem_bytes, bf16);
     }
 }
-#endif  /* HAVE_AVX512BF16 */
+#endif  /* HAVE_AVX512 */
 
 /* ------------------------------------------------------------------------------------------ driver */
 
+/* The AVX-512 path: fp32 with AVX-512F/BW, bf16 with AVX512-BF16 too; whole 16-element columns. */
 static inline int use_fast_path(const Attn *a, int is_bf16) {
-    return HAVE_AVX512BF16 && is_bf16 && a->head_dim % 32 == 0 && a->head_dim <= MAX_FAST_HEAD_DIM;
+    if (a->head_dim > MAX_FAST_HEAD_DIM) return 0;
+    if (is_bf16) return HAVE_AVX512BF16 && a->head_dim % 32 == 0;
+    return HAVE_AVX512 && a->head_dim % 16 == 0;
 }
 
 static int64_t scratch_bytes(const Attn *a, int64_t max_queries, int is_bf16) {
-#if HAVE_AVX512BF16
+#if HAVE_AVX512
     if (use_fast_path(a, is_bf16)) return fast_scratch_bytes(a, max_queries);
 #endif
+    (void)is_bf16;
     return sizeof(float) * generic_scratch(a, max_queries);
 }
 
 /* One work item: tile t, KV heads h0 .. h1-1. Constant head sizes let the compiler unroll the loops. */
 static void run_item(const Attn *a, const Tile *t, int h0, int h1, char *buf, int64_t max_queries,
                      int is_bf16) {
-#if HAVE_AVX512BF16
+#if HAVE_AVX512
     if (use_fast_path(a, is_bf16)) {
         Fast f = fast_scratch(a, max_queries, buf);
-        if (a->head_dim == 64) fast_item(a, t, h0, h1, &f, 64);
-        else if (a->head_dim == 128) fast_item(a, t, h0, h1, &f, 128);
-        else fast_item(a, t, h0, h1, &f, a->head_dim);
+        if (is_bf16 && a->head_dim == 64) fast_item(a, t, h0, h1, &f, 64, 1);
+        else if (is_bf16 && a->head_dim == 128) fast_item(a, t, h0, h1, &f, 128, 1);
+        else if (is_bf16) fast_item(a, t, h0, h1, &f, a->head_dim, 1);
+        else if (a->head_dim == 64) fast_item(a, t, h0, h1, &f, 64, 0);
+        else if (a->head_dim == 128) fast_item(a, t, h0, h1, &f, 128, 0);
+        else fast_item(a, t, h0, h1, &f, a->head_dim, 0);
         return;
     }
 #endif
     (void)max_queries;
-    for (int h = h0; h < h1; h++) {
-        if (is_bf16) generic_tile(a, t, h, (float *)buf, 1);
-        else generic_tile(a, t, h, (float *)buf, 0);
-    }
+    if (a->head_dim == 64 && is_bf16) generic_item(a, t, h0, h1, (float *)buf, 64, 1);
+    else if (a->head_dim == 64) generic_item(a, t, h0, h1, (float *)buf, 64, 0);
+    else if (is_bf16) generic_item(a, t, h0, h1, (float *)buf, a->head_dim, 1);
+    else generic_item(a, t, h0, h1, (float *)buf, a->head_dim, 0);
 }
 
 /* Work items: a one-token tile (decode row) is one item over all KV heads, so it reads each block
- * front to back in one go; a longer tile is one item per KV head (its K/V are reused by many queries,
- * and the finer items balance the threads). Last tiles first: within a sequence, later tiles see more
- * context, so the longest items start first. item[k] = (tile, h0, h1); returns the count. */
+ * front to back in one go, unless there are too few rows to keep the threads busy; a longer tile is
+ * one item per KV head (its K/V are reused by many queries, and the finer items balance the threads).
+ * The split changes no result: each KV head's queries are computed the same way in any item. Last
+ * tiles first: within a sequence, later tiles see more context, so the longest items start first.
+ * item[k] = (tile, h0, h1); returns the count. */
 static int64_t make_items(const Attn *a, const int64_t *tiles, int num_tiles, int64_t (*items)[3],
                           int64_t *max_queries) {
-    int64_t n = 0;
+    int64_t n = 0, whole_rows = num_tiles >= 2 * omp_get_max_threads();
     *max_queries = 0;
     for (int i = num_tiles - 1; i >= 0; i--) {
-        int64_t tokens = tiles[4 * i + 2], step = tokens == 1 ? a->num_kv_heads : 1;
+        int64_t tokens = tiles[4 * i + 2], step = tokens == 1 && whole_rows ? a->num_kv_heads : 1;
         for (int h = 0; h < a->num_kv_heads; h += (int)step) {
             items[n][0] = i, items[n][1] = h, items[n][2] = h + step, n++;
         }
@@ -545,7 +630,7 @@ static int run(const Attn *a, const int64_t *tiles, int num_tiles, int is_bf16) 
     int failed = 0;
 #pragma omp parallel reduction(|:failed)
     {
-        char *buf = malloc(bytes);
+        char *buf = aligned_alloc(64, (bytes + 63) & ~(int64_t)63);
         failed = buf == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t k = 0; k < num_items; k++) {
@@ -583,9 +668,9 @@ int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
                      num_heads, num_kv_heads, head_dim, block_size, scale, 1);
 }
 
-/* 1 when bf16 at this head_dim runs on AVX512-BF16 (tests and benchmarks report the path). */
-int paged_attention_bf16_is_fast(int head_dim) {
+/* 1 when this dtype (bf16 or fp32) at this head_dim runs the AVX-512 path (tests report the path). */
+int paged_attention_is_fast(int is_bf16, int head_dim) {
     Attn a = {0};
     a.head_dim = head_dim;
-    return use_fast_path(&a, 1);
+    return use_fast_path(&a, is_bf16);
 }
