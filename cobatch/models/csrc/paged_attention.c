@@ -20,10 +20,11 @@
  * Numerics: online softmax over chunks of CHUNK keys aligned to absolute positions, fp32 state. A query's
  * arithmetic depends only on its own q, context and the cache, never on its tile, its work item or the
  * rest of the batch: batch composition cannot change a row's bits (the determinism tests rely on this).
- *   fp32, and bf16 without AVX512-BF16 or with head_dim % 32 != 0: plain C (generic_item), fp32 math.
- *   bf16 with AVX512-BF16 (fast_item): QK^T and PV on vdpbf16ps with fp32 accumulation, scores with the
- *   keys along the vector lanes (no horizontal sums per key); probabilities rounded to bf16 before PV,
- *   as HF's eager bf16 attention casts them before P @ V.
+ *   AVX-512 (fast_item; head_dim <= 256; fp32: % 16 == 0; bf16: with AVX512-BF16 and % 32 == 0):
+ *   scores with the keys along the vector lanes (no horizontal sum per key), fp32 accumulation; bf16
+ *   runs QK^T and PV on vdpbf16ps with the probabilities rounded to bf16 before PV, as HF's eager bf16
+ *   attention casts them before P @ V.
+ *   Otherwise plain C (generic_item), fp32 math.
  *
  * Work items (make_items): a decode row over all KV heads (it streams each block front to back), a
  * longer tile per KV head; dynamic schedule, longest first. Decode is memory-bound: the next chunk's
