@@ -161,10 +161,10 @@ def slo_goodput(ctx: ClaimsContext) -> Section:
 
 def _slo_verdict(bounded: dict, best: dict, default: dict) -> str:
     vs_best = bounded["goodput_rps"] / best["goodput_rps"] if best["goodput_rps"] else float("nan")
-    vs_default = (bounded["goodput_rps"] / default["goodput_rps"]
-                  if default["goodput_rps"] else float("inf"))
+    vs_default = (f"**{bounded['goodput_rps'] / default['goodput_rps']:.2f}x the default**"
+                  if default["goodput_rps"] else "**above the default's zero**")
     return (f"SLO-bounded goodput = **{vs_best:.2f}x the best fixed** ({best['label']}) and "
-            f"**{vs_default:.2f}x the default** max_num_seqs (which meets the SLO for "
+            f"{vs_default} max_num_seqs (which meets the SLO for "
             f"{100 * default['good_share']:.0f}% of requests).")
 
 
