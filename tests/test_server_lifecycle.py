@@ -96,9 +96,12 @@ def test_watchdog_and_drain_timeout_abort(tiny_model_dir: Path, tmp_path: Path) 
     try:
         url = proc.base_url
         httpx.post(f"{url}/debug/fault", json={"kind": "stall", "seconds": 2.0})
-        with httpx.stream("POST", f"{url}{COMPLETIONS}", json={**LONG, "max_tokens": 50,
+        with httpx.stream("POST", f"{url}{COMPLETIONS}", json={**LONG, "max_tokens": 100,
                                                               "stream": True}, timeout=30) as resp:
             wait_health(url, 503)  # the stalled step trips the watchdog
+            # Then slow (not stalled) steps, so the request is still running when the drain starts: at
+            # full speed the tiny model would finish its tokens before the second stall arrives.
+            httpx.post(f"{url}/debug/fault", json={"kind": "stall", "seconds": 0.05, "num_steps": 1000})
             wait_health(url, 200)  # and it recovers when steps resume
             lines = resp.iter_lines()
             first_event(lines)
