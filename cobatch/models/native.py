@@ -1,11 +1,11 @@
 """Native CPU kernels (csrc/*.c): built with the system C compiler at first use, cached per source and
 machine, loaded with ctypes; `None` wherever they cannot be built (then the pure-torch paths run).
 
-`build_library` is the shared build step; the paged attention kernel lives here, the fused elementwise
-ops in models/fused_ops.py.
+`build_library` is the shared build step; the paged attention kernel's wrapper lives here, the small-M
+linear in models/linear.py, the fused elementwise ops in models/fused_ops.py.
 
-Why not torch.utils.cpp_extension: torch's headers make a build take a minute; this plain C file builds
-in about a second and needs nothing but gcc (or cc) with OpenMP.
+Why not torch.utils.cpp_extension: torch's headers make a build take a minute; these plain C files build
+in ~17 s together (once per source and CPU) and need nothing but gcc (or cc) with OpenMP.
 """
 
 from __future__ import annotations
@@ -84,9 +84,6 @@ def load_attention_kernel() -> AttentionKernel | None:
         return AttentionKernel(lib) if lib is not None else None
     except AttributeError:
         return None
-
-
-load_decode_kernel = load_attention_kernel  # its former name (tests/test_faults.py loads it by that)
 
 
 def native_disabled() -> bool:

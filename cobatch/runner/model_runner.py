@@ -226,7 +226,7 @@ def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.d
         meta.block_tables = block_tables.to(device)
         meta.tiles = make_tiles(starts, counts, attention_kernel.tile_tokens).to(device)  # [N, 4]
     else:
-        _add_torch_metadata(meta, block_tables, starts, counts, block_size, device)
+        _add_torch_metadata(meta, block_tables, starts, counts, ends, block_size, device)
     position_in_order = {row_index: k for k, row_index in enumerate(order)}
     sample_indices = [int(ends[position_in_order[i]]) - 1 for i, r in enumerate(rows) if r.needs_sample]
     return Batch(torch.tensor(token_ids, device=device), positions.to(device), meta,
@@ -245,9 +245,9 @@ def _padded_block_tables(rows: Sequence[ScheduledRow], block_size: int) -> torch
 
 
 def _add_torch_metadata(meta: AttentionMetadata, block_tables: torch.Tensor, starts: torch.Tensor,
-                        counts: torch.Tensor, block_size: int, device: torch.device) -> None:
+                        counts: torch.Tensor, ends: torch.Tensor, block_size: int, device: torch.device) -> None:
     """The torch path's metadata: batched decode rows, then one span per prefill row."""
-    num_decode, ends = meta.num_decode_tokens, torch.cumsum(counts, 0)
+    num_decode = meta.num_decode_tokens
     if num_decode:
         _add_decode_metadata(meta, block_tables[:num_decode], starts[:num_decode] + 1, block_size, device)
     for j in range(num_decode, len(counts)):

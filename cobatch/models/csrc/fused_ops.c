@@ -140,10 +140,6 @@ SPECIALISE void rotate_head(void *restrict x, int64_t lo, int64_t hi, const void
     }
 }
 
-/* Rotate-half RoPE in place on the first num_heads heads of each token's row of x.
- * x: rows of row_stride elements, head h at [h * head_dim, (h + 1) * head_dim); cos/sin tables
- * [max_pos, head_dim / 2] in the same dtype; positions [rows] int64.
- * out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin, each product and sum rounded like torch's ops. */
 /* Row r: RoPE on its first num_heads heads. */
 SPECIALISE void rope_row(void *restrict x, const void *restrict cos_table, const void *restrict sin_table,
                          const int64_t *restrict positions, int64_t r, int64_t row_stride, int64_t num_heads,
@@ -155,6 +151,10 @@ SPECIALISE void rope_row(void *restrict x, const void *restrict cos_table, const
     }
 }
 
+/* Rotate-half RoPE in place on the first num_heads heads of each token's row of x.
+ * x: rows of row_stride elements, head h at [h * head_dim, (h + 1) * head_dim); cos/sin tables
+ * [max_pos, head_dim / 2] in the same dtype; positions [rows] int64.
+ * out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin, each product and sum rounded like torch's ops. */
 void rope_inplace(void *x, const void *cos_table, const void *sin_table, const int64_t *positions,
                   int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim, int is_bf16) {
 #define ROPE_ROW(bf16) rope_row(x, cos_table, sin_table, positions, r, row_stride, num_heads, head_dim, bf16)
