@@ -1,4 +1,4 @@
-"""Native small-M bf16 linear (csrc/linear_bf16.c via cobatch.models.linear) against F.linear and fp32."""
+"""Packed-weight bf16 GEMM (csrc/gemm_bf16.c via cobatch.models.linear) against F.linear and fp32."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from cobatch.models import linear as linear_module
-from cobatch.models.linear import MAX_ROWS, NativeLinear, linear, native_linear
+from cobatch.models.linear import (PackedGemm, can_pack, embedding, is_packed, linear, native_gemm, pack_weight,
+                                   unpack_weight)
 
-KERNEL = native_linear()
+KERNEL = native_gemm()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no AVX512-BF16 or no compiler here")
 BF16_EPS = 2.0 ** -7  # bf16 spacing relative to a value's magnitude (at most)
 FP32_EPS = 2.0 ** -24
@@ -33,7 +34,7 @@ def no_kernel_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Calls after this point must not reach the kernel."""
     def boom(*args: object, **kwargs: object) -> None:
         raise AssertionError("called the kernel")
-    monkeypatch.setattr(NativeLinear, "__call__", boom)
+    monkeypatch.setattr(PackedGemm, "__call__", boom)
 
 
 def _operands(m: int, n: int, k: int, bias: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -58,7 +59,27 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
     assert (out.float() == torch_out).float().mean() > 0.99  # both round the fp32 sum once: nearly all equal
 
 
-SHAPES = [(960, 576), (576, 1536), (37, 70), (5, 31), (100, 32), (19, 97), (16, 1)]
+def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return linear(x, pack_weight(w), b)
+
+
+def test_pack_layout_and_round_trip() -> None:
+    w = torch.arange(48 * 10, dtype=torch.float32).view(48, 10).bfloat16()
+    packed = pack_weight(w)
+    assert packed.shape == (3, 5, 16, 2) and is_packed(packed) and not is_packed(w)
+    for p, kk, j, t in [(0, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (2, 4, 15, 1), (1, 3, 7, 0)]:
+        assert packed[p, kk, j, t] == w[16 * p + j, 2 * kk + t]
+    assert torch.equal(unpack_weight(packed), w)
+
+
+@pytest.mark.parametrize("shape,dtype,ok", [((32, 64), torch.bfloat16, True), ((40, 64), torch.bfloat16, False),
+                                            ((32, 63), torch.bfloat16, False), ((32, 64), torch.float32, False)])
+def test_can_pack(shape: tuple[int, int], dtype: torch.dtype, ok: bool) -> None:
+    assert can_pack(torch.zeros(shape, dtype=dtype)) == (ok and KERNEL is not None)
+
+
+# panels 1..7 (tile widths 3 + tails of 1 and 2), K from one pair to the model's sizes
+SHAPES = [(960, 576), (576, 1536), (16, 2), (32, 70), (48, 34), (64, 96), (80, 576), (112, 64)]
 
 
 @needs_kernel
@@ -66,20 +87,22 @@ SHAPES = [(960, 576), (576, 1536), (37, 70), (5, 31), (100, 32), (19, 97), (16, 
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_reference(n: int, k: int, bias: bool, request: pytest.FixtureRequest) -> None:
     request.getfixturevalue("no_fallback")
-    for m in (1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 18, 19, 33, 64, 70):  # both tilings and all their tails
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 33, 70, 257):  # every tile height, row chunks of 256
         x, w, b = _operands(m, n, k, bias, seed=m * 1000 + n + k)
-        _check(linear(x, w, b), x, w, b)
+        _check(_packed_linear(x, w, b), x, w, b)
 
 
 @needs_kernel
 def test_leading_dims_and_nonfinite(request: pytest.FixtureRequest) -> None:
-    x, w, b = _operands(6, 40, 64, True, seed=1)
+    x, w, b = _operands(6, 48, 64, True, seed=1)
     request.getfixturevalue("no_fallback")
-    out = linear(x.view(2, 3, 64), w, b)
-    assert out.shape == (2, 3, 40) and torch.equal(out.view(6, 40), linear(x, w, b))
+    out = _packed_linear(x.view(2, 3, 64), w, b)
+    assert out.shape == (2, 3, 48) and torch.equal(out.view(6, 48), _packed_linear(x, w, b))
+    assert torch.equal(_packed_linear(x.t().contiguous().t(), w, b), out.view(6, 48))  # strided x is copied
     x[0, 5], x[1, 7] = float("nan"), float("inf")
-    out = linear(x, w, b)
+    out = _packed_linear(x, w, b)
     assert out[0].isnan().all() and out[1].isinf().all() and out[2:].isfinite().all()
+    assert _packed_linear(x[:0], w, b).shape == (0, 48)
 
 
 @needs_kernel
@@ -88,12 +111,14 @@ def test_rounds_like_torch(request: pytest.FixtureRequest) -> None:
     a, b = 2.0 ** -7, 2.0 ** -8  # bf16 steps just above 1, and half of it
     pairs = [(1.0, b), (1.0 + a, b), (1.0, b + 2.0 ** -16), (-1.0 - a, -b), (3e38, 3e38), (-3e38, -3e38),
              (float("inf"), float("-inf")), (1e-40, 0.0), (2.0 ** -133, 2.0 ** -134)]  # last two: denormals out
-    w = torch.tensor(pairs).bfloat16()  # [N, 2]: each row's two terms
+    w = torch.zeros(16, 2)
+    w[:len(pairs)] = torch.tensor(pairs)
+    w = w.bfloat16()  # [N, 2]: each row's two terms (zero rows pad N to a panel)
     x = torch.ones(1, 2, dtype=torch.bfloat16)
     exact = (w.float() * x.float()).sum(dim=1)
     request.getfixturevalue("no_fallback")
-    out = linear(x, w)[0]
-    assert torch.equal(out[:-2].float().nan_to_num(7.0), exact[:-2].bfloat16().float().nan_to_num(7.0))
+    out = _packed_linear(x, w)[0, :len(pairs)]
+    assert torch.equal(out[:-2].float().nan_to_num(7.0), exact[:len(pairs) - 2].bfloat16().float().nan_to_num(7.0))
     assert (out[-2:] == 0).all()  # vdpbf16ps flushes denormals to zero (documented in the C file)
 
 
@@ -101,56 +126,91 @@ def test_rounds_like_torch(request: pytest.FixtureRequest) -> None:
 def test_rows_do_not_depend_on_the_batch() -> None:
     """Each output is one dot product in a fixed order, whatever M, the tiling or the thread count: a
     row's bits do not change with the batch it runs in (the engine's determinism relies on that)."""
-    x, w, b = _operands(70, 300, 200, True, seed=2)
-    full = linear(x, w, b)
-    for m in (1, 3, 16, 17):
-        assert torch.equal(linear(x[:m], w, b), full[:m])
-    assert torch.equal(linear(x[40:41], w, b), full[40:41])
+    x, w, b = _operands(600, 304, 200, True, seed=2)
+    packed = pack_weight(w)
+    full = linear(x, packed, b)
+    for m in (1, 3, 16, 17, 256, 300):
+        assert torch.equal(linear(x[:m], packed, b), full[:m])
+    assert torch.equal(linear(x[40:41], packed, b), full[40:41])
+    assert torch.equal(linear(x[299:599], packed, b), full[299:599])
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(linear(x, w, b), full)
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(linear(x, packed, b), full)
     finally:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("case", ["strided_x", "transposed_w", "fp32", "too_many_rows", "grad", "fp32_bias"])
-def test_unsupported_operands_fall_back(case: str, request: pytest.FixtureRequest) -> None:
+@needs_kernel
+def test_embedding_reads_packed_rows() -> None:
+    _, w, _ = _operands(1, 64, 24, False, seed=5)
+    ids = torch.tensor([[0, 17, 63], [5, 5, 32]])
+    assert torch.equal(embedding(ids, pack_weight(w)), F.embedding(ids, w))
+    assert torch.equal(embedding(ids, w), F.embedding(ids, w))
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["fp32_input", "wrong_k", "fp32_bias"])
+def test_packed_rejects_bad_operands(case: str) -> None:
     x, w, b = _operands(4, 48, 64, True, seed=3)
-    if case == "strided_x":
-        x = torch.randn(4, 128).bfloat16()[:, ::2]
-    elif case == "transposed_w":
-        w = w.t().contiguous().t()
-    elif case == "fp32":
-        x, w, b = x.float(), w.float(), b.float()
-    elif case == "too_many_rows":
-        x = torch.randn(MAX_ROWS + 1, 64).bfloat16()
-    elif case == "grad":
-        w.requires_grad_(True)
-    elif case == "fp32_bias":
+    if case == "fp32_input":
+        x = x.float()
+    elif case == "wrong_k":
+        x = x[:, :62]
+    else:
         b = b.float()
+    with pytest.raises(ValueError):
+        _packed_linear(x, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unpacked_weight_is_f_linear(dtype: torch.dtype, request: pytest.FixtureRequest) -> None:
+    x, w, b = (t.to(dtype) for t in _operands(4, 40, 64, True, seed=3))
     request.getfixturevalue("no_kernel_call")
-    if case == "fp32_bias":  # F.linear itself rejects mixed dtypes: same error, not a wrong result
-        with pytest.raises(RuntimeError):
-            linear(x, w, b)
-        return
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
 
 
-def test_no_kernel_means_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_kernel_means_no_packing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COBATCH_NO_NATIVE", "1")
-    assert native_linear.__wrapped__() is None  # what the loader returns with native code off
-    monkeypatch.setattr(linear_module, "native_linear", lambda: None)
-    x, w, b = _operands(3, 20, 40, True, seed=4)
-    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    assert native_gemm.__wrapped__() is None  # what the loader returns with native code off
+    monkeypatch.setattr(linear_module, "native_gemm", lambda: None)
+    assert not can_pack(torch.zeros(32, 64, dtype=torch.bfloat16))
+
+
+@needs_kernel
+def test_model_packs_in_place_and_keeps_its_outputs() -> None:
+    """pack_linear_weights packs every projection and the tied lm_head + embeddings (one Parameter), and
+    the model computes the same function (within bf16 rounding of a different summation order)."""
+    from cobatch.models.llama import LlamaForCausalLM
+    from cobatch.models.model_config import ModelConfig
+
+    config = ModelConfig.from_hf_config({"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                                        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+                                        "tie_word_embeddings": True, "max_position_embeddings": 64,
+                                        "model_type": "llama"})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(std=0.2)
+    hidden = torch.randn(5, 64).bfloat16()
+    before = model.compute_logits(hidden)
+    ids = torch.tensor([3, 200])
+    embeds = F.embedding(ids, model.embed_tokens)
+    assert model.pack_linear_weights() == 2 * 4 + 1
+    assert model.lm_head is model.embed_tokens and is_packed(model.lm_head)
+    assert torch.equal(embedding(ids, model.embed_tokens), embeds)
+    after = model.compute_logits(hidden)
+    assert torch.allclose(after, before, rtol=2 * BF16_EPS, atol=0.02)
+    assert model.pack_linear_weights() == 0  # already packed: nothing to do
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 def test_stub_without_avx512_bf16(tmp_path: Path) -> None:
-    """Built for a CPU without AVX512-BF16 the library says so (and native_linear() is then None)."""
-    source = Path(linear_module.__file__).parent / "csrc" / "linear_bf16.c"
-    target = tmp_path / "linear_stub.so"
+    """Built for a CPU without AVX512-BF16 the library says so (and native_gemm() is then None)."""
+    source = Path(linear_module.__file__).parent / "csrc" / "gemm_bf16.c"
+    target = tmp_path / "gemm_stub.so"
     subprocess.run(["cc", "-O1", "-march=x86-64-v3", "-fopenmp", "-shared", "-fPIC", "-std=c11", str(source),
                     "-o", str(target)], check=True, capture_output=True, timeout=60)
     lib = ctypes.CDLL(str(target))
-    assert lib.linear_bf16_available() == 0
+    assert lib.gemm_bf16_available() == 0

@@ -5,7 +5,8 @@ and do 2 FLOPs per weight per row (compute bound: B x FLOPs per token / GEMM pea
 throughput is B / max(the two times); a measured step is reported as a share of it. Both machine figures
 are measured here, in this process, with the same thread count as the steps:
 
-- GEMM peak: the best rate of the model's own linear shapes at a large M (weights hot in cache);
+- GEMM peak: the best rate of the model's own linear shapes at a large M (weights hot in cache), the
+  better of torch's F.linear (oneDNN) and the engine's own packed kernel where the weights are packed;
 - read bandwidth: a reduction over a tensor far larger than the last-level cache.
 
 Attention is not in the roofline (it reads the KV cache, which grows with context); steps are measured
@@ -62,7 +63,7 @@ def model_cost(model: object) -> ModelCost:
     """
     lm_head, embed = model.lm_head, model.embed_tokens  # type: ignore[attr-defined]
     matmul = [p for p in model.parameters()  # type: ignore[attr-defined]  (tied weights come once)
-              if p.dim() == 2 and (p is lm_head or p is not embed)]
+              if p.dim() >= 2 and (p is lm_head or p is not embed)]  # packed weights are 4-D
     return ModelCost(weight_bytes=sum(p.numel() * p.element_size() for p in matmul),
                      flops_per_token=2 * sum(p.numel() for p in matmul), lm_head_flops=2 * lm_head.numel())
 
@@ -92,17 +93,27 @@ def _best_rate(work: float, fn: Callable[[], object], reps: int) -> float:
 
 
 def measure_machine(model: object, reps: int = 10, m: int = 1024, bandwidth_bytes: int = 1 << 29) -> Machine:
-    """GEMM peak over the model's own weight shapes at M=m, and the read bandwidth of a large sum."""
+    """GEMM peak over the model's own weight shapes at M=m (F.linear, and the packed kernel where the
+    weights are packed), and the read bandwidth of a large sum."""
     import torch
     import torch.nn.functional as F
 
-    shapes = {tuple(p.shape): p for p in model.parameters() if p.dim() == 2}  # type: ignore[attr-defined]
+    from cobatch.models.linear import is_packed, linear, packed_shape, unpack_weight
+
     peak = 0.0
-    for (n, k), weight in shapes.items():
-        if n > 8192:  # lm_head / embeddings: not a useful GEMM peak probe at M=m (too big for cache)
+    seen: set[tuple[int, int]] = set()
+    for weight in model.parameters():  # type: ignore[attr-defined]
+        if weight.dim() < 2:
             continue
+        n, k = packed_shape(weight) if is_packed(weight) else tuple(weight.shape)
+        if n > 8192 or (n, k) in seen:  # lm_head / embeddings: too big for cache, not a peak probe
+            continue
+        seen.add((n, k))
         x = torch.randn(m, k, dtype=weight.dtype)
-        peak = max(peak, _best_rate(2.0 * m * n * k, lambda: F.linear(x, weight), reps))
+        plain = unpack_weight(weight).contiguous() if is_packed(weight) else weight
+        peak = max(peak, _best_rate(2.0 * m * n * k, lambda: F.linear(x, plain), reps))
+        if is_packed(weight):
+            peak = max(peak, _best_rate(2.0 * m * n * k, lambda: linear(x, weight), reps))
     big = torch.ones(bandwidth_bytes // 4, dtype=torch.float32)
     bandwidth = _best_rate(float(bandwidth_bytes), big.sum, reps)
     return Machine(gemm_flops_per_s=peak, read_bytes_per_s=bandwidth)

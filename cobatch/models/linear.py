@@ -1,16 +1,21 @@
-"""bf16 linear layers at small M (decode steps) with a native kernel (csrc/linear_bf16.c), else F.linear.
+"""bf16 linear layers on packed weights (csrc/gemm_bf16.c), F.linear for everything else.
 
-At decode, M (sequences in the batch) is small and a step streams every weight matrix from DRAM once;
-torch's F.linear (oneDNN) reads bf16 weights at ~10-15 GB/s there, the native kernel at ~25-30 GB/s (the
-machine's read bandwidth) and stays faster up to the compute-bound sizes (numbers: scripts/
-linear_microbench.py). It reads the weights in their stored [N, K] layout: no repacked copy.
+One native kernel serves every batch size: decode steps (M = 1..64 rows, each weight streamed from DRAM
+once) and prefill (thousands of rows, compute-bound). It needs the weight repacked once, at load time,
+into panels of 16 output columns whose K pairs interleave (the layout vdpbf16ps consumes; the C file
+explains it). Measured on this machine's model shapes with the weights not in cache
+(scripts/linear_microbench.py): 1.9-2.6x oneDNN's F.linear at M = 1..8, 1.4x at 32-64, 1.02-1.1x at
+256-1024; 455-466 GFLOP/s with the weights in cache (the AVX512-BF16 peak of 2 Zen4 cores is ~470).
 
-`linear(x, weight, bias)` is a drop-in for F.linear: it takes the kernel when x, weight (and bias) are
-contiguous CPU bf16 tensors, no autograd is recording and the row count is at most MAX_ROWS; anything
-else (other dtypes, devices, strides, COBATCH_NO_NATIVE=1, a CPU without AVX512-BF16, no compiler) goes
-to F.linear. Results match F.linear up to fp32 summation order (each output rounded once to bf16; the
-kernel flushes denormals to zero), and a row's result does not depend on the other rows of its batch or
-on the thread count.
+`pack_weight` turns a [N, K] weight into the packed [N/16, K/2, 16, 2] tensor (a plain permutation:
+same bytes, no copy kept); `linear(x, weight, bias)` takes either layout: a packed weight goes to the
+kernel, a [N, K] one to F.linear. `embedding` looks rows up in either layout (a tied lm_head is packed
+together with the embedding table). Weights are packed only where the kernel exists (AVX512-BF16, a
+compiler, COBATCH_NO_NATIVE unset), for bf16 CPU weights with N % 16 == 0 and K even.
+
+Numerics: each output is one fp32 sum over K in a fixed order, rounded once to bf16 (as F.linear rounds;
+the kernel flushes denormal products to zero). The order depends on nothing but K: a row's bits do not
+depend on the other rows of its batch, the tiling or the thread count.
 """
 
 from __future__ import annotations
@@ -23,63 +28,89 @@ import torch.nn.functional as F
 
 from cobatch.models.native import load_library
 
-# Largest M (rows of x) sent to the kernel: the measured crossover vs F.linear (weights not in cache,
-# SmolLM2-135M shapes, scripts/linear_microbench.py). At 2 threads the kernel is 1.01-1.09x at M = 256,
-# about even at 384, 0.88-0.93x at 512; at 1 thread even at 256 (lm_head 0.95x). Prefill-sized M stays
-# on oneDNN, whose blocked GEMM is made for it.
-MAX_ROWS = 256
+PANEL = 16  # output columns per packed panel (one AVX-512 vector of fp32 results)
 
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
-class NativeLinear:
-    """y = x @ weight.T + bias for contiguous CPU bf16 x [M, K], weight [N, K], bias [N] (csrc/linear_bf16.c)."""
+class PackedGemm:
+    """y = x @ W.T + bias for contiguous CPU bf16 x [M, K] and a packed W (csrc/gemm_bf16.c)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.linear_bf16
+        self._fn = lib.gemm_bf16
         self._fn.argtypes = [_PTR] * 4 + [_I64] * 3 + [_INT]
         self._fn.restype = _INT
 
-    @staticmethod
-    def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-        """Whether the kernel takes these operands (any M; `linear` adds the M limit). Plain attribute
-        checks: this runs ~120 times per decode step, where a few microseconds each would show."""
-        bf16 = torch.bfloat16
-        if not (x.dtype == bf16 and weight.dtype == bf16 and x.is_cpu and weight.is_cpu
-                and x.is_contiguous() and weight.is_contiguous() and weight.dim() == 2 and x.dim() >= 1
-                and x.shape[-1] == weight.shape[1] and x.numel() > 0):
-            return False
-        if bias is not None and not (bias.dtype == bf16 and bias.is_cpu and bias.is_contiguous()
-                                     and bias.shape == (weight.shape[0],)):
-            return False
-        recording = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                 or (bias is not None and bias.requires_grad))
-        return not recording
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """[..., K] -> [..., N]; the caller has checked `supports`."""
-        out_features, in_features = weight.shape
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., K] -> [..., N]."""
+        out_features, in_features = packed_shape(packed)
+        if x.dtype != torch.bfloat16 or x.shape[-1] != in_features or not x.is_cpu:
+            raise ValueError(f"packed linear takes bf16 CPU input [..., {in_features}], got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)):
+            raise ValueError(f"packed linear takes a bf16 bias [{out_features}]")
+        x = x.contiguous()
         out = x.new_empty(*x.shape[:-1], out_features)
-        status = self._fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                          out.data_ptr(), x.numel() // in_features, out_features, in_features, torch.get_num_threads())
+        rows = x.numel() // in_features
+        if rows == 0:
+            return out
+        status = self._fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+                          out.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
         if status != 0:
-            raise RuntimeError("linear_bf16 is not available on this CPU")
+            raise RuntimeError(f"gemm_bf16 failed with status {status}")
         return out
 
 
 @lru_cache(maxsize=1)
-def native_linear() -> NativeLinear | None:
+def native_gemm() -> PackedGemm | None:
     """The kernel, built on first use; None when native code is off, the build fails or the CPU lacks
     AVX512-BF16 (the C file then builds a stub that says so)."""
-    lib = load_library("linear_bf16")
-    if lib is None or not lib.linear_bf16_available():
+    lib = load_library("gemm_bf16")
+    if lib is None or not lib.gemm_bf16_available():
         return None
-    return NativeLinear(lib)
+    return PackedGemm(lib)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether `weight` [N, K] can take the packed layout and the kernel is here to use it."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.is_cpu
+            and weight.shape[0] % PANEL == 0 and weight.shape[1] % 2 == 0 and native_gemm() is not None)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> packed [N/16, K/2, 16, 2]: packed[p, kk, j, t] = weight[16 p + j, 2 kk + t]."""
+    n, k = weight.shape
+    return weight.view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_weight: [N, K]."""
+    n, k = packed_shape(packed)
+    return packed.permute(0, 2, 1, 3).reshape(n, k)
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    return weight.dim() == 4
+
+
+def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of the weight a packed tensor holds."""
+    return packed.shape[0] * PANEL, packed.shape[1] * 2
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), by the native kernel where it is faster (see the module docstring)."""
-    kernel = native_linear()
-    if kernel is not None and kernel.supports(x, weight, bias) and x.numel() <= MAX_ROWS * x.shape[-1]:
+    """F.linear(x, weight, bias) for a [N, K] weight; the native kernel for a packed one."""
+    if is_packed(weight):
+        kernel = native_gemm()
+        assert kernel is not None, "packed weights exist only where the kernel does"
         return kernel(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.embedding(ids, weight) for a [V, H] table or a packed one: rows [*ids.shape, H]."""
+    if not is_packed(weight):
+        return F.embedding(ids, weight)
+    flat = ids.reshape(-1)
+    rows = weight[flat // PANEL, :, flat % PANEL, :]  # [T, H/2, 2]: advanced indices go first
+    return rows.reshape(*ids.shape, packed_shape(weight)[1])

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2) over a flat ragged batch.
 
 gpt-fast style: explicit arguments, no HF plumbing. Q/K/V and gate/up projections are fused at load time
-(one matmul each), run by the native small-M bf16 kernel at decode sizes (linear.py, oneDNN otherwise);
+(one matmul each); in bf16 on CPU `pack_linear_weights` repacks them for the native GEMM (linear.py);
 the residual add + RMSNorm, RoPE and SiLU-multiply are fused native ops (fused_ops.py).
 `forward` runs the whole step's tokens `[T]` through the layers; `compute_logits` then
 runs the final norm and lm_head only on the rows that sample.
@@ -14,12 +14,11 @@ import math
 from typing import ContextManager, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cobatch.models.attention import AttentionMetadata, paged_attention
 from cobatch.models.fused_ops import FusedOps, fused_ops
-from cobatch.models.linear import linear
+from cobatch.models.linear import can_pack, embedding, linear, pack_weight
 from cobatch.models.model_config import ModelConfig, RopeScaling
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -145,12 +144,26 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: Sequence[KVCache], profile: bool = False) -> torch.Tensor:
         """input_ids, positions [T] -> last layer's output [T, H] (final norm is in compute_logits)."""
         with scope("embed+rope_tables", profile):
-            x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+            x = embedding(input_ids, self.embed_tokens)  # [T, H]
         residual: torch.Tensor | None = None
         rope = (self.rope_cos, self.rope_sin)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, rope, kv_cache, meta, self.ops, profile)
         return x if residual is None else residual.add_(x)
+
+    def pack_linear_weights(self) -> int:
+        """Repack every projection and lm_head (with the embeddings it is tied to) for the native GEMM,
+        in place, where `can_pack` allows; returns how many weights were packed. Packing is a
+        permutation: the model's memory stays the same."""
+        owners = [(layer, name) for layer in self.layers
+                  for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] + [(self, "lm_head")]
+        packed = 0
+        for owner, name in owners:
+            param = getattr(owner, name)
+            if can_pack(param.data):
+                param.data = pack_weight(param.data)  # the same Parameter: a tied embedding follows
+                packed += 1
+        return packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head on the sampled rows only: [R, H] -> fp32 logits [R, V]."""

@@ -37,6 +37,8 @@ class ModelRunner:
                  block_size: int, num_swap_blocks: int = 0, max_model_len: int | None = None,
                  seed: int = 0, native_attention: bool = True) -> None:
         param = next(model.parameters())
+        if param.dtype == torch.bfloat16 and param.device.type == "cpu":
+            model.pack_linear_weights()  # the native GEMM's layout (models/linear.py); no-op without it
         self.model, self.model_config = model, model_config
         self.dtype, self.device = param.dtype, param.device
         self.block_size = block_size

@@ -1,0 +1,173 @@
+/* bf16 GEMM on a packed weight: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), fp32 accumulation, bf16 out.
+ *
+ * Why: one kernel for every M, decode (M = 1..64, weights streamed from DRAM once per step) and prefill
+ * (M in the thousands, compute-bound), at the machine's limit in both. The weight is repacked once at
+ * load time (models/linear.py, plain torch) into panels of 16 output columns whose K pairs interleave:
+ *
+ *     packed[p][kk][j][t] = W[16 p + j][2 kk + t]      (p < N/16, kk < K/2, j < 16, t < 2)
+ *
+ * so one 64-byte line holds one K pair of 16 outputs: exactly the B operand of vdpbf16ps. A micro-tile of
+ * MR input rows x NZ panels keeps MR * NZ fp32 vectors of results in registers; per K pair it loads NZ
+ * weight lines and broadcasts MR pairs of x, then does MR * NZ dot products (8 x 3: 24 of them for 11
+ * loads, no horizontal sums: each lane is one output). Rows are taken 8 at a time against a group of
+ * NZ panels, so a group read from DRAM by the first tile is reused from L1/L2 by the others; while a
+ * group computes, the group after it is prefetched into L2, spread over its tiles.
+ *
+ * Work split: tasks are (panel group, chunk of MC rows), group-major, and each OpenMP thread takes one
+ * contiguous run of them, so at decode sizes each thread streams one contiguous part of the weight.
+ *
+ * Numerics: each output is summed over K pairs in order, in fp32 (vdpbf16ps: denormal inputs and products
+ * flush to zero), then rounded once to bf16 (nearest even, NaN kept, as torch does). The order does not
+ * depend on M, the tiling or the thread count: a row's bits do not depend on its batch.
+ * Built by native.py (-march=native; without AVX512-BF16 a stub reports itself unavailable).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define NR 16  /* output columns per panel (one zmm of fp32) */
+#define MR 8   /* input rows per micro-tile */
+#define NZ 3   /* panels per micro-tile: MR * NZ = 24 accumulators + NZ weights + 1 broadcast <= 32 zmm */
+#ifndef MC
+#define MC 256 /* input rows per task at prefill sizes (x chunk stays in L2 across a thread's groups) */
+#endif
+/* Prefetch of the next panel group (Zen4, scripts/linear_microbench.py, weights not in cache): into L1
+ * (T0) beats L2 (T1) by 7% at M = 32 and is even at M = 1..8; none is 5-7% slower; 2 or 3 groups ahead
+ * no better. -D to retune. */
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
+#ifndef PF_AHEAD
+#define PF_AHEAD 1 /* groups ahead (0: no software prefetch) */
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* fp32 -> bf16, round to nearest even, NaN stays a (quiet) NaN: torch's c10::BFloat16 conversion.
+ * (vcvtneps2bf16 would flush denormals; this keeps them, as torch does.) */
+INLINE __m256i round_to_bf16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
+INLINE __m512 bf16_to_ps(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+INLINE uint32_t load_pair(const uint16_t *p) { /* x rows need not be 4-byte aligned */
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Where a tile prefetches: lines of the next group, one K pair of each panel every `every` pairs,
+ * starting at pair `phase` (so the group's tiles share the sweep). next NULL: no prefetch. */
+typedef struct {
+    const uint16_t *next;
+    int64_t phase, every;
+} Prefetch;
+
+/* y[0..mr, 0..16 nz) = x[0..mr] . panels wp[0..nz) (+ bias); panel_stride: elements between panels. */
+INLINE void tile(const uint16_t *x, int64_t K, const uint16_t *wp, int64_t panel_stride,
+                 const uint16_t *bias, uint16_t *y, int64_t N, int mr, int nz, Prefetch pf) {
+    __m512 acc[MR * NZ];
+#pragma GCC unroll 8
+    for (int m = 0; m < mr; m++)
+#pragma GCC unroll 3
+        for (int z = 0; z < nz; z++) acc[m * NZ + z] = _mm512_setzero_ps();
+    const int64_t pairs = K / 2;
+    int64_t countdown = pf.next != NULL ? pf.phase : pairs;
+    for (int64_t kk = 0; kk < pairs; kk++) {
+        __m512bh w[NZ];
+#pragma GCC unroll 3
+        for (int z = 0; z < nz; z++) w[z] = (__m512bh)_mm512_loadu_si512(wp + z * panel_stride + kk * 2 * NR);
+        if (countdown-- == 0) {
+#pragma GCC unroll 3
+            for (int z = 0; z < nz; z++) _mm_prefetch((const char *)(pf.next + z * panel_stride + kk * 2 * NR), PF_HINT);
+            countdown = pf.every - 1;
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < mr; m++) {
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)load_pair(x + m * K + 2 * kk));
+#pragma GCC unroll 3
+            for (int z = 0; z < nz; z++) acc[m * NZ + z] = _mm512_dpbf16_ps(acc[m * NZ + z], xb, w[z]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int z = 0; z < nz; z++) {
+        __m512 b = bias != NULL ? bf16_to_ps(_mm256_loadu_si256((const __m256i *)(bias + z * NR))) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int m = 0; m < mr; m++)
+            _mm256_storeu_si256((__m256i *)(y + m * N + z * NR), round_to_bf16(_mm512_add_ps(acc[m * NZ + z], b)));
+    }
+}
+
+/* Each (mr, nz) its own fully unrolled copy: tile sizes must be literals for the registers to work out. */
+#define CASE(R, Z) case (R) * 4 + (Z): tile(x, K, wp, panel_stride, bias, y, N, R, Z, pf); break;
+#define CASES(R) CASE(R, 1) CASE(R, 2) CASE(R, 3)
+static void tile_any(const uint16_t *x, int64_t K, const uint16_t *wp, int64_t panel_stride, const uint16_t *bias,
+                     uint16_t *y, int64_t N, int mr, int nz, Prefetch pf) {
+    switch (mr * 4 + nz) {
+        CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6) CASES(7) CASES(8)
+        default: break;
+    }
+}
+
+/* Rows m0..m1 of x against panel group g (panels NZ g .. NZ g + nz), prefetching the group after it
+ * (next: NULL at the end of this thread's run). */
+static void group_rows(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y, int64_t M0,
+                       int64_t M1, int64_t N, int64_t K, int64_t g, const uint16_t *next) {
+    const int64_t panels = N / NR, panel_stride = K * NR, p0 = g * NZ;
+    const int nz = (int)(panels - p0 < NZ ? panels - p0 : NZ);
+    const int64_t tiles = (M1 - M0 + MR - 1) / MR;
+    int64_t t = 0;
+    for (int64_t m = M0; m < M1; m += MR, t++) {
+        int mr = (int)(M1 - m < MR ? M1 - m : MR);
+        Prefetch pf = {next, t, tiles};
+        tile_any(x + m * K, K, wp + p0 * panel_stride, panel_stride, bias != NULL ? bias + p0 * NR : NULL,
+                 y + m * N + p0 * NR, N, mr, nz, pf);
+    }
+}
+
+int gemm_bf16_available(void) { return 1; }
+
+/* x [M, K], packed weight (layout above; N % 16 == 0, K even), bias [N] or NULL, y [M, N]: contiguous
+ * bf16 (uint16 bits). num_threads <= 0: the OpenMP default. Returns 0, or -2 on a bad shape. */
+int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
+              int num_threads) {
+    if (N % NR != 0 || K % 2 != 0 || M <= 0) return -2;
+    const int64_t groups = (N / NR + NZ - 1) / NZ, chunks = (M + MC - 1) / MC, tasks = groups * chunks;
+    int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    if (threads > tasks) threads = (int)tasks;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t first = tasks * me / nt, last = tasks * (me + 1) / nt;
+        for (int64_t task = first; task < last; task++) {
+            int64_t g = task / chunks, c = task % chunks;
+            int64_t m0 = c * MC, m1 = m0 + MC < M ? m0 + MC : M;
+            /* prefetch the next group when this is the last chunk of the group and the next is ours */
+            const uint16_t *next = NULL;
+            if (PF_AHEAD > 0 && c == chunks - 1 && task + PF_AHEAD < last && (g + PF_AHEAD) * NZ < N / NR)
+                next = (const uint16_t *)wp + (g + PF_AHEAD) * NZ * K * NR;
+            group_rows(x, wp, bias, y, m0, m1, N, K, g, next);
+        }
+    }
+    return 0;
+}
+
+#else /* no AVX512-BF16 here: linear.py keeps the stored layout */
+
+int gemm_bf16_available(void) { return 0; }
+
+int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
+              int num_threads) {
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+    return -1;
+}
+
+#endif
