@@ -17,7 +17,7 @@ import torch
 from cobatch.config import EngineConfig
 from cobatch.models.attention import AttentionKernel, AttentionMetadata, PrefillSpan, make_tiles
 from cobatch.models.llama import LlamaForCausalLM, scope
-from cobatch.models.loader import load_model, resolve_model_path
+from cobatch.models.loader import load_model, release_freed_heap, resolve_model_path
 from cobatch.models.model_config import ModelConfig
 from cobatch.models.native import load_attention_kernel
 from cobatch.runner.sampler import Sampler
@@ -37,8 +37,8 @@ class ModelRunner:
                  block_size: int, num_swap_blocks: int = 0, max_model_len: int | None = None,
                  seed: int = 0, native_attention: bool = True) -> None:
         param = next(model.parameters())
-        if param.dtype == torch.bfloat16 and param.device.type == "cpu":
-            model.pack_linear_weights()  # the native GEMM's layout (models/linear.py); no-op without it
+        if param.dtype == torch.bfloat16 and param.device.type == "cpu" and model.pack_linear_weights():
+            release_freed_heap()  # the unpacked copies (the native GEMM's layout: models/linear.py)
         self.model, self.model_config = model, model_config
         self.dtype, self.device = param.dtype, param.device
         self.block_size = block_size
