@@ -74,3 +74,24 @@ def test_rope_in_place_on_q_and_k_only(dtype: torch.dtype, head_dim: int, reques
     _check(native, eager)
     assert torch.equal(native[:, 6 * head_dim:], x[:, 6 * head_dim:])  # v untouched
     assert torch.equal(native[0], x[0]) and not torch.equal(native[1, :head_dim], x[1, :head_dim])  # pos 0: identity
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_matches_torch_max(dtype: torch.dtype, request: pytest.FixtureRequest) -> None:
+    """First index of the max, ties and tails included; a NaN makes the row's max NaN; all -inf: -inf."""
+    logits = torch.randn(7, 1000 + 13, generator=torch.Generator().manual_seed(9)).to(dtype)
+    logits[0, 500] = logits[0, 20] = logits[0, 900] = 50.0  # ties in different lanes: the first wins
+    logits[1, 17] = logits[1, 33] = 50.0  # ties in the same lane
+    logits[2, -1] = 50.0  # in the tail
+    logits[3, 4] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 0] = float("inf")
+    best, index = NATIVE.argmax(logits)
+    want_best, want_index = logits.max(dim=-1)
+    assert best.dtype == torch.float32 and index.dtype == torch.int64
+    assert torch.equal(best[[0, 1, 2, 5, 6]], want_best[[0, 1, 2, 5, 6]].float())
+    assert torch.equal(index[[0, 1, 2, 5, 6]], want_index[[0, 1, 2, 5, 6]])
+    assert index[:3].tolist() == [20, 17, 1012]
+    assert best[3].isnan() and best[4] == float("-inf")
+    eager_best, eager_index = EAGER.argmax(logits)
+    assert torch.equal(eager_index[[0, 1, 2, 5, 6]], index[[0, 1, 2, 5, 6]])

@@ -151,3 +151,15 @@ def test_greedy_fast_path_matches_the_full_path() -> None:
     assert not any(sampler_module._is_plain_greedy(r) for r in full_rows)
     assert fast == Sampler()(logits, full_rows).token_ids
     assert fast[4] == 9 and fast[3] == int(torch.nan_to_num(logits[3], nan=float("-inf")).argmax())
+
+
+def test_model_dtype_logits_sample_like_their_fp32_values() -> None:
+    """The runner hands over bf16 logits from a bf16 model: greedy (fast and full path), logprobs and
+    seeded sampling give what the same values in fp32 give (the conversion is exact)."""
+    logits = (3 * torch.randn(4, 300, generator=torch.Generator().manual_seed(5))).bfloat16()
+    logits[0, 17] = logits[0].max()  # a tie: both dtypes take the first index
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2),
+                   SamplingParams(temperature=0.8, top_p=0.9, seed=11, logprobs=1)):
+        rows = [row(params) for _ in range(4)]
+        got, want = Sampler()(logits, rows), Sampler()(logits.float(), rows)
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs

@@ -166,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
         return packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head on the sampled rows only: [R, H] -> fp32 logits [R, V]."""
+        """Final norm + lm_head on the sampled rows only: [R, H] -> logits [R, V] in the model dtype (the
+        sampler converts to fp32 where it needs to: a greedy batch's argmax does not)."""
         hidden = self.ops.add_rms_norm(None, hidden.contiguous(), self.norm, self.config.rms_norm_eps)
-        return linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head)

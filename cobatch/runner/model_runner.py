@@ -118,7 +118,7 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
                             self._profiling)  # [T, H]
         with scope("lm_head", self._profiling):
-            logits = self.model.compute_logits(hidden[batch.sample_indices])  # [R, V] fp32
+            logits = self.model.compute_logits(hidden[batch.sample_indices])  # [R, V] model dtype
         t2 = time.perf_counter()
         sampled_rows = [row for row in out.rows if row.needs_sample]
         result = self.sampler(logits, sampled_rows, self.eos_token_ids) if sampled_rows else None

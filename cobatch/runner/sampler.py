@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from cobatch.models.fused_ops import fused_ops
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import ScheduledRow, TokenLogprobs
 
@@ -38,11 +39,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[ScheduledRow],
                  eos_token_ids: Sequence[int] = ()) -> SamplerOutput:
-        """logits [R, V] fp32 for `rows` (in order) -> one token id per row."""
+        """logits [R, V] (fp32, or the model dtype: converted to fp32 below) for `rows` (in order) -> one
+        token id per row."""
         if all(_is_plain_greedy(row) for row in rows):
-            # Fast path (one pass over the logits): when every row's max is finite there is no NaN or
-            # +inf to sanitize and nothing else to apply, so the argmax is what the full path returns.
-            best, token_ids = logits.max(dim=-1)
+            # Fast path (one pass over the logits, in their own dtype: converting is exact, so the argmax
+            # is the same): when every row's max is finite there is no NaN or +inf to sanitize and nothing
+            # else to apply, so the argmax is what the full path returns.
+            best, token_ids = fused_ops().argmax(logits)  # torch.max(dim=-1), native on CPU
             if bool(torch.isfinite(best).all()):
                 return SamplerOutput(token_ids.tolist(), [None] * len(rows))
         params = [row.sampling_params for row in rows]

@@ -160,3 +160,55 @@ void rope_inplace(void *x, const void *cos_table, const void *sin_table, const i
 #define ROPE_ROW(bf16) rope_row(x, cos_table, sin_table, positions, r, row_stride, num_heads, head_dim, bf16)
     FOR_EACH_DTYPE(rows, rows * num_heads * head_dim, ROPE_ROW);
 }
+
+/* Greedy sampling's argmax: for each row of x [rows, cols], the max (NaN if the row has a NaN, as
+ * torch.max gives) and the first index holding it (-1 when no value beats -inf). One pass: each of 16
+ * lanes keeps its running max and where it first reached it; the row's answer is the smallest index
+ * among the lanes that hold the row's max. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+static inline __m512 load16(const void *x, int64_t i, int is_bf16, __mmask16 m) {
+    if (is_bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + i)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)x + i);
+}
+
+SPECIALISE void argmax_row(const void *x, int64_t r, int64_t cols, int is_bf16, int64_t *index, float *best) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    __m512i at = _mm512_set1_epi32(-1), lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 nan = 0;
+    const int64_t base = r * cols;
+    for (int64_t i = 0; i < cols; i += 16) {  /* indices fit int32: cols < 2^31 (checked by the caller) */
+        __mmask16 valid = cols - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - i)) - 1);
+        __m512 v = load16(x, base + i, is_bf16, valid);
+        nan |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
+        __mmask16 gt = _mm512_mask_cmp_ps_mask(valid, v, mx, _CMP_GT_OQ);
+        mx = _mm512_mask_mov_ps(mx, gt, v);
+        at = _mm512_mask_mov_epi32(at, gt, _mm512_add_epi32(lane, _mm512_set1_epi32((int)i)));
+    }
+    float m = _mm512_reduce_max_ps(mx);
+    __mmask16 holders = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_EQ_OQ);
+    int first = _mm512_mask_reduce_min_epi32(holders, at);
+    index[r] = m > -INFINITY ? first : -1;
+    best[r] = nan ? NAN : m;
+}
+#else
+SPECIALISE void argmax_row(const void *x, int64_t r, int64_t cols, int is_bf16, int64_t *index, float *best) {
+    float m = -INFINITY;
+    int64_t at = -1;
+    int nan = 0;
+    for (int64_t i = 0; i < cols; i++) {
+        float v = load(x, r * cols + i, is_bf16);
+        nan |= v != v;
+        if (v > m) m = v, at = i;
+    }
+    index[r] = at;
+    best[r] = nan ? NAN : m;
+}
+#endif
+
+void argmax_rows(const void *x, int64_t rows, int64_t cols, int is_bf16, int64_t *index, float *best) {
+#define ARGMAX_ROW(bf16) argmax_row(x, r, cols, bf16, index, best)
+    FOR_EACH_DTYPE(rows, rows * cols, ARGMAX_ROW);
+}
