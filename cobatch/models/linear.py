@@ -4,8 +4,9 @@ One native kernel serves every batch size: decode steps (M = 1..64 rows, each we
 once) and prefill (thousands of rows, compute-bound). It needs the weight repacked once, at load time,
 into panels of 16 output columns whose K pairs interleave (the layout vdpbf16ps consumes; the C file
 explains it). Measured on this machine's model shapes with the weights not in cache
-(scripts/linear_microbench.py): 1.9-2.6x oneDNN's F.linear at M = 1..8, 1.4x at 32-64, 1.02-1.1x at
-256-1024; 455-466 GFLOP/s with the weights in cache (the AVX512-BF16 peak of 2 Zen4 cores is ~470).
+(scripts/linear_microbench.py, two runs): 2.0-3.3x oneDNN's F.linear at M = 1..8, 1.4-1.9x at 32-64,
+1.02-1.19x at 256-1024; 455-466 GFLOP/s with the weights in cache (the AVX512-BF16 peak of 2 Zen4 cores
+is ~470).
 
 `pack_weight` turns a [N, K] weight into the packed [N/16, K/2, 16, 2] tensor (a plain permutation:
 same bytes, no copy kept); `linear(x, weight, bias)` takes either layout: a packed weight goes to the
