@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cobatch.bench.roofline import Machine, ModelCost, ideal_schedule_s, model_cost, roofline_tokens_per_s
+from cobatch.bench.roofline import (Machine, ModelCost, ideal_schedule_s, measure_machine, model_cost,
+                                   roofline_tokens_per_s)
+from cobatch.models.linear import is_packed, native_gemm
 from tests.runner_helpers import runner_for, tiny_hf_model
 
 
@@ -27,6 +29,21 @@ def test_model_cost_counts_every_matmul_weight_once(tied: bool) -> None:
     assert cost.flops_per_token == 2 * params
     assert cost.weight_bytes == 4 * params  # fp32
     assert cost.lm_head_flops == 2 * c.vocab_size * c.hidden_size
+
+
+@pytest.mark.skipif(native_gemm() is None, reason="no packed GEMM here")
+def test_packed_bf16_weights_cost_and_measure_like_unpacked_ones() -> None:
+    """A bf16 runner packs its weights (4-D tensors): the cost is unchanged and the machine probe runs."""
+    import torch
+
+    runner = runner_for(tiny_hf_model("llama", hidden_size=64, intermediate_size=128))
+    model = runner.model.to(torch.bfloat16)
+    unpacked = model_cost(model)
+    assert model.pack_linear_weights() > 0 and is_packed(model.layers[0].gate_up_proj)
+    packed = model_cost(model)
+    assert packed == unpacked
+    machine = measure_machine(model, reps=1, m=64, bandwidth_bytes=1 << 20)
+    assert machine.gemm_flops_per_s > 0 and machine.read_bytes_per_s > 0
 
 
 def test_ideal_schedule_prefills_at_peak_then_decodes_the_shrinking_batch() -> None:
