@@ -179,14 +179,16 @@ def test_no_kernel_means_no_packing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_kernel
-def test_model_packs_in_place_and_keeps_its_outputs() -> None:
+@pytest.mark.parametrize("vocab_size", [256, 250])
+def test_model_packs_in_place_and_keeps_its_outputs(vocab_size: int) -> None:
     """pack_linear_weights packs every projection and the tied lm_head + embeddings (one Parameter), and
-    the model computes the same function (within bf16 rounding of a different summation order)."""
+    the model computes the same function (within bf16 rounding of a different summation order). A vocab
+    that is not a whole number of panels keeps its table unpacked (F.linear, F.embedding)."""
     from cobatch.models.llama import LlamaForCausalLM
     from cobatch.models.model_config import ModelConfig
 
     config = ModelConfig.from_hf_config({"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-                                        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+                                        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": vocab_size,
                                         "tie_word_embeddings": True, "max_position_embeddings": 64,
                                         "model_type": "llama"})
     torch.manual_seed(0)
@@ -197,8 +199,10 @@ def test_model_packs_in_place_and_keeps_its_outputs() -> None:
     before = model.compute_logits(hidden)
     ids = torch.tensor([3, 200])
     embeds = F.embedding(ids, model.embed_tokens)
-    assert model.pack_linear_weights() == 2 * 4 + 1
-    assert model.lm_head is model.embed_tokens and is_packed(model.lm_head)
+    packs_table = vocab_size % 16 == 0
+    assert model.pack_linear_weights() == 2 * 4 + packs_table
+    assert model.lm_head is model.embed_tokens and is_packed(model.lm_head) == packs_table
+    assert all(is_packed(layer.down_proj) for layer in model.layers)
     assert torch.equal(embedding(ids, model.embed_tokens), embeds)
     after = model.compute_logits(hidden)
     assert torch.allclose(after, before, rtol=2 * BF16_EPS, atol=0.02)
