@@ -95,7 +95,6 @@ class FusedOps:
         self._lib.rope_inplace(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                                x.shape[0], x.shape[1], num_heads, head_dim, _NATIVE_DTYPES[x.dtype])
 
-
     def argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [R, V] -> (max [R] fp32, first index of it [R]): torch.max(dim=-1) in one native pass
         (torch's bf16/fp32 max reduction runs at ~2 G values/s; this at memory speed). A row with a NaN

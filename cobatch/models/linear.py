@@ -51,11 +51,12 @@ class PackedGemm:
         if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)):
             raise ValueError(f"packed linear takes a bf16 bias [{out_features}]")
         x = x.contiguous()
+        bias = None if bias is None else bias.contiguous()  # kept alive across the call
         out = x.new_empty(*x.shape[:-1], out_features)
         rows = x.numel() // in_features
         if rows == 0:
             return out
-        status = self._fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+        status = self._fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                           out.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"gemm_bf16 failed with status {status}")

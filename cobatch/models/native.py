@@ -1,8 +1,8 @@
 """Native CPU kernels (csrc/*.c): built with the system C compiler at first use, cached per source and
 machine, loaded with ctypes; `None` wherever they cannot be built (then the pure-torch paths run).
 
-`build_library` is the shared build step; the paged attention kernel's wrapper lives here, the small-M
-linear in models/linear.py, the fused elementwise ops in models/fused_ops.py.
+`build_library` is the shared build step; the paged attention kernel's wrapper lives here, the packed
+bf16 GEMM's in models/linear.py, the fused elementwise ops' (and greedy argmax) in models/fused_ops.py.
 
 Why not torch.utils.cpp_extension: torch's headers make a build take a minute; these plain C files build
 in ~17 s together (once per source and CPU) and need nothing but gcc (or cc) with OpenMP.
