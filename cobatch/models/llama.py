@@ -20,6 +20,7 @@ from cobatch.models.attention import AttentionMetadata, paged_attention
 from cobatch.models.fused_ops import FusedOps, fused_ops
 from cobatch.models.linear import can_pack, embedding, linear, pack_weight
 from cobatch.models.model_config import ModelConfig, RopeScaling
+from cobatch.models.native_decoder import NativeDecoder
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -139,12 +140,17 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_pos, hd / 2]
         self.register_buffer("rope_sin", sin, persistent=False)
         self.ops: FusedOps = fused_ops()  # native fused norm/rope/SiLU where built; EAGER for A/B
+        # The layer loop in C (models/native_decoder.py), set by pack_linear_weights where it can run.
+        self.native_decoder: NativeDecoder | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: Sequence[KVCache], profile: bool = False) -> torch.Tensor:
         """input_ids, positions [T] -> last layer's output [T, H] (final norm is in compute_logits)."""
         with scope("embed+rope_tables", profile):
             x = embedding(input_ids, self.embed_tokens)  # [T, H]
+        if self.native_decoder is not None and meta.kernel is not None and not profile:
+            x, residual = self.native_decoder(x, positions, meta, kv_caches)
+            return residual.add_(x)
         residual: torch.Tensor | None = None
         rope = (self.rope_cos, self.rope_sin)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -154,7 +160,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_linear_weights(self) -> int:
         """Repack every projection and lm_head (with the embeddings it is tied to) for the native GEMM,
         in place, where `can_pack` allows; returns how many weights were packed. Packing is a
-        permutation: the model's memory stays the same."""
+        permutation: the model's memory stays the same. Then the layer loop moves to C where it can
+        (`native_decoder`; profiled steps keep the Python loop for its labelled parts)."""
         owners = [(layer, name) for layer in self.layers
                   for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] + [(self, "lm_head")]
         packed = 0
@@ -163,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
             if can_pack(param.data):
                 param.data = pack_weight(param.data)  # the same Parameter: a tied embedding follows
                 packed += 1
+        self.native_decoder = NativeDecoder.build(self)
         return packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

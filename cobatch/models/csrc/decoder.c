@@ -1,0 +1,102 @@
+/* The decoder layers of one step in one native call: the same kernels, in the same order, with the same
+ * arguments as models/llama.py's layer-by-layer path (which stays: fp32, the profiler's labelled parts,
+ * other devices), so the two give the same bits.
+ *
+ * Why: a decode step's kernels are small: at batch 1 the layer loop made ~15 Python/torch calls per layer
+ * (wrappers, views, output allocations, the K/V index copies), ~3-4 ms per step against ~8 ms of weight
+ * streaming. Here the loop is C and the activations live in six buffers the caller allocates once per step.
+ *
+ * The kernels come as function pointers from their own libraries (gemm_bf16.c, fused_ops.c,
+ * paged_attention.c; models/native_decoder.py passes them), so each keeps one build and one copy.
+ *
+ * Per layer, with x the previous layer's MLP output and residual the running sum (layer 0: residual holds
+ * the embeddings and there is no x):
+ *   h = add_rms_norm(x, residual += x, input_norm)      qkv = h @ Wqkv (+ b)    RoPE on q, k in place
+ *   K/V of the new tokens -> cache slots                 attn = paged_attention(q; cache)
+ *   x = attn @ Wo (+ b)                                  h = add_rms_norm(x, residual += x, post_norm)
+ *   gate_up = h @ Wgu                                    act = silu(gate) * up        x = act @ Wdown
+ * The caller finishes with residual += x (the final norm belongs to compute_logits).
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*GemmFn)(const void *x, const void *packed, const void *bias, void *y, int64_t m, int64_t n,
+                      int64_t k, int threads);
+typedef void (*NormFn)(const void *x, void *residual, const void *weight, void *out, int64_t rows,
+                       int64_t hidden, float eps, int is_bf16);
+typedef void (*SiluFn)(const void *gate_up, void *out, int64_t rows, int64_t inter, int is_bf16);
+typedef void (*RopeFn)(void *x, const void *cos_table, const void *sin_table, const int64_t *positions,
+                       int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim, int is_bf16);
+typedef int (*AttentionFn)(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                           const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles, int num_tiles,
+                           void *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale);
+
+typedef struct { GemmFn gemm; NormFn add_rms_norm; SiluFn silu_mul; RopeFn rope; AttentionFn attention; } Kernels;
+
+/* bf16 model shape; weights packed for gemm_bf16. */
+typedef struct {
+    int64_t hidden, inter, num_heads, num_kv_heads, head_dim, block_size;
+    float eps, scale;
+} Shape;
+
+typedef struct {
+    const void *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down;  /* biases may be NULL */
+    void *k_cache, *v_cache;  /* [blocks, block_size, kv heads, head_dim] */
+} Layer;
+
+/* This step's batch: the attention metadata of models/attention.py. */
+typedef struct {
+    int64_t num_tokens, max_blocks, num_tiles;
+    const int64_t *positions, *slot_mapping, *block_tables, *tiles;
+    const void *cos, *sin;  /* RoPE tables [max_pos, head_dim / 2] */
+} Step;
+
+/* Activations, bf16 rows of num_tokens: residual (in: embeddings; out: the running sum before the last
+ * MLP), x (out: the last MLP output), h [hidden], qkv [(heads + 2 kv heads) head_dim], attn [heads
+ * head_dim], gate_up [2 inter], act [inter]. */
+typedef struct { void *residual, *x, *h, *qkv, *attn, *gate_up, *act; } Buffers;
+
+/* The new tokens' K and V (columns of qkv after q) into their cache slots. */
+static void write_kv(const Shape *s, const Layer *l, const Step *st, const uint16_t *qkv, int64_t qkv_width) {
+    const int64_t width = s->num_kv_heads * s->head_dim, q_width = s->num_heads * s->head_dim;
+#pragma omp parallel for schedule(static) if (st->num_tokens >= 256)
+    for (int64_t t = 0; t < st->num_tokens; t++) {
+        const uint16_t *row = qkv + t * qkv_width + q_width;
+        int64_t slot = st->slot_mapping[t];
+        memcpy((uint16_t *)l->k_cache + slot * width, row, sizeof(uint16_t) * width);
+        memcpy((uint16_t *)l->v_cache + slot * width, row + width, sizeof(uint16_t) * width);
+    }
+}
+
+/* One layer; returns 0 or the failing kernel's status. */
+static int layer_forward(const Kernels *k, const Shape *s, const Layer *l, const Step *st, const Buffers *b,
+                         int first, int threads) {
+    const int64_t T = st->num_tokens, H = s->hidden, nh = s->num_heads, kvh = s->num_kv_heads, hd = s->head_dim;
+    const int64_t qkv_width = (nh + 2 * kvh) * hd;
+    int status;
+    k->add_rms_norm(first ? NULL : b->x, b->residual, l->input_norm, b->h, T, H, s->eps, 1);
+    if ((status = k->gemm(b->h, l->qkv, l->qkv_bias, b->qkv, T, qkv_width, H, threads))) return status;
+    k->rope(b->qkv, st->cos, st->sin, st->positions, T, qkv_width, nh + kvh, hd, 1);
+    write_kv(s, l, st, b->qkv, qkv_width);
+    if ((status = k->attention(b->qkv, qkv_width, l->k_cache, l->v_cache, st->block_tables, st->max_blocks,
+                               st->tiles, (int)st->num_tiles, b->attn, (int)nh, (int)kvh, (int)hd,
+                               (int)s->block_size, s->scale)))
+        return status;
+    if ((status = k->gemm(b->attn, l->o, l->o_bias, b->x, T, H, nh * hd, threads))) return status;
+    k->add_rms_norm(b->x, b->residual, l->post_norm, b->h, T, H, s->eps, 1);
+    if ((status = k->gemm(b->h, l->gate_up, NULL, b->gate_up, T, 2 * s->inter, H, threads))) return status;
+    k->silu_mul(b->gate_up, b->act, T, s->inter, 1);
+    return k->gemm(b->act, l->down, NULL, b->x, T, H, s->inter, threads);
+}
+
+/* All layers of one step (bf16). Returns 0, or the status of the first failing kernel (paged attention:
+ * -1 out of memory for its scratch; gemm_bf16: -2 bad shape, which packed weights rule out). */
+int decoder_forward(const Kernels *k, const Shape *s, const Layer *layers, int num_layers, const Step *st,
+                    const Buffers *b, int threads) {
+    if (st->num_tokens <= 0) return 0;
+    for (int i = 0; i < num_layers; i++) {
+        int status = layer_forward(k, s, &layers[i], st, b, i == 0, threads);
+        if (status) return status;
+    }
+    return 0;
+}

@@ -1,0 +1,113 @@
+"""All decoder layers of a step in one native call (csrc/decoder.c), for bf16 models on packed weights.
+
+The C loop calls the same kernels as models/llama.py's layer-by-layer path, in the same order, so both
+give the same bits (tests compare them); it only removes the per-layer Python and torch dispatch that
+dominated small decode steps. `NativeDecoder.build` returns None where any piece is missing (fp32, a
+weight left unpacked, no compiler, COBATCH_NO_NATIVE=1): the model then runs its Python loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from cobatch.models.attention import AttentionMetadata
+from cobatch.models.fused_ops import fused_ops
+from cobatch.models.linear import is_packed, native_gemm
+from cobatch.models.native import load_attention_kernel, load_library
+
+if TYPE_CHECKING:
+    from cobatch.models.llama import KVCache, LlamaForCausalLM
+
+_PTR, _I64, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+def _struct(name: str, fields: Sequence[tuple[str, type]]) -> type[ctypes.Structure]:
+    return type(name, (ctypes.Structure,), {"_fields_": list(fields)})
+
+
+# The structs of csrc/decoder.c, field for field.
+_Kernels = _struct("Kernels", [(n, _PTR) for n in ("gemm", "add_rms_norm", "silu_mul", "rope", "attention")])
+_Shape = _struct("Shape", [(n, _I64) for n in ("hidden", "inter", "num_heads", "num_kv_heads", "head_dim",
+                                              "block_size")] + [("eps", _FLOAT), ("scale", _FLOAT)])
+_Layer = _struct("Layer", [(n, _PTR) for n in ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm",
+                                              "gate_up", "down", "k_cache", "v_cache")])
+_Step = _struct("Step", [(n, _I64) for n in ("num_tokens", "max_blocks", "num_tiles")]
+                + [(n, _PTR) for n in ("positions", "slot_mapping", "block_tables", "tiles", "cos", "sin")])
+_Buffers = _struct("Buffers", [(n, _PTR) for n in ("residual", "x", "h", "qkv", "attn", "gate_up", "act")])
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeDecoder:
+    """The decoder stack of one LlamaForCausalLM as one C call per step; holds its weights' pointers (the
+    model owns the tensors and must not repack or replace them afterwards)."""
+
+    def __init__(self, model: LlamaForCausalLM, lib: ctypes.CDLL) -> None:
+        c = model.config
+        self._model = model
+        self._fn = lib.decoder_forward
+        self._fn.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Shape), ctypes.POINTER(_Layer),
+                             ctypes.c_int, ctypes.POINTER(_Step), ctypes.POINTER(_Buffers), ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+        gemm, ops, attention = (load_library(name) for name in ("gemm_bf16", "fused_ops", "paged_attention"))
+        self._kernels = _Kernels(*(ctypes.cast(f, _PTR).value for f in (
+            gemm.gemm_bf16, ops.add_rms_norm, ops.silu_mul, ops.rope_inplace, attention.paged_attention_bf16)))
+        self._shape = _Shape(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, 0,
+                             c.rms_norm_eps, c.head_dim ** -0.5)
+        self._layers = (_Layer * c.num_layers)(*(
+            _Layer(*(_ptr(w) for w in (layer.input_norm, layer.qkv_proj, layer.qkv_bias, layer.o_proj,
+                                       layer.o_bias, layer.post_attention_norm, layer.gate_up_proj,
+                                       layer.down_proj)), None, None)
+            for layer in model.layers))
+        self._cache_ptrs: tuple[int, ...] = ()
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM) -> NativeDecoder | None:
+        """The native stack for `model`, or None when it cannot run it (see the module docstring)."""
+        weights = [w for layer in model.layers
+                   for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        if (model.embed_tokens.dtype != torch.bfloat16 or not all(is_packed(w) for w in weights)
+                or not fused_ops().native or native_gemm() is None or load_attention_kernel() is None):
+            return None
+        lib = load_library("decoder")
+        return None if lib is None else cls(model, lib)
+
+    def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches: Sequence[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeddings [T, H] (overwritten: it becomes the residual stream), positions [T] -> (last MLP
+        output, residual before it), as the layer loop of LlamaForCausalLM.forward returns them."""
+        assert meta.block_tables is not None and meta.tiles is not None, "needs the native attention's metadata"
+        self._bind_caches(kv_caches)
+        c, num_tokens = self._model.config, embeddings.shape[0]
+        residual, positions = embeddings.contiguous(), positions.contiguous()
+        x = torch.empty_like(residual)
+        buffers = [residual, x] + [residual.new_empty(num_tokens, width) for width in (
+            c.hidden_size, c.qkv_size, c.num_heads * c.head_dim, 2 * c.intermediate_size, c.intermediate_size)]
+        block_tables, tiles = meta.block_tables.contiguous(), meta.tiles.contiguous()
+        step = _Step(num_tokens, block_tables.shape[1], tiles.shape[0], positions.data_ptr(),
+                     meta.slot_mapping.contiguous().data_ptr(), block_tables.data_ptr(), tiles.data_ptr(),
+                     self._model.rope_cos.data_ptr(), self._model.rope_sin.data_ptr())
+        status = self._fn(self._kernels, self._shape, self._layers, len(self._layers), step,
+                          _Buffers(*(b.data_ptr() for b in buffers)), torch.get_num_threads())
+        if status == -1:
+            raise MemoryError("native attention could not allocate its scratch buffers")
+        if status != 0:
+            raise RuntimeError(f"native decoder failed with status {status}")
+        return x, residual
+
+    def _bind_caches(self, kv_caches: Sequence[KVCache]) -> None:
+        """Point the layers at this KV cache (the runner's caches never move; rebinding is for tests)."""
+        ptrs = tuple(t.data_ptr() for kv in kv_caches for t in kv)
+        if ptrs == self._cache_ptrs:
+            return
+        assert len(kv_caches) == len(self._layers) and all(t.is_contiguous() for kv in kv_caches for t in kv)
+        for layer, (k, v) in zip(self._layers, kv_caches):
+            layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
+        self._shape.block_size = kv_caches[0][0].shape[1]
+        self._cache_ptrs = ptrs
+

@@ -1,0 +1,110 @@
+"""The layer loop in C (models/native_decoder.py, csrc/decoder.c) against the Python layer loop it replaces:
+the same kernels in the same order, so the same bits, on ragged steps mixing decode rows, prefill chunks
+over a cached prefix and fresh prompts; and it steps aside wherever it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cobatch.models.linear import native_gemm
+from cobatch.models.loader import build_model
+from cobatch.models.model_config import ModelConfig
+from cobatch.models.native_decoder import NativeDecoder
+from cobatch.runner.model_runner import ModelRunner, prepare_batch
+from cobatch.scheduler_output import SchedulerOutput
+from tests.runner_helpers import BlockAllocator, Seq, step, tiny_hf_model
+
+needs_kernels = pytest.mark.skipif(native_gemm() is None, reason="no AVX512-BF16 kernels here")
+
+
+def _runner(arch: str, dtype: torch.dtype = torch.bfloat16, **overrides: object) -> ModelRunner:
+    hf = tiny_hf_model(arch, **overrides)
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    return ModelRunner.from_model(build_model(config, hf.state_dict(), dtype), config, 64, 4)
+
+
+def _mixed_step(runner: ModelRunner) -> SchedulerOutput:
+    """Two sequences decoding after their prompts, one prompt half cached (a chunk continues it), one
+    fresh prompt: the shapes a continuous-batching step mixes."""
+    alloc = BlockAllocator(runner.block_size)
+    decoding = [alloc.seq(f"d{i}", list(range(5 + i, 18 + 3 * i)), 64) for i in range(2)]
+    chunked = alloc.seq("c", list(range(40, 71)), 64)
+    fresh = alloc.seq("f", list(range(90, 99)), 64)
+    step(runner, [(s, None) for s in decoding] + [(chunked, 12)])
+    rows = [s.row() for s in decoding] + [chunked.row(19), fresh.row()]
+    return SchedulerOutput(tuple(rows))
+
+
+def _forward(runner: ModelRunner, out: SchedulerOutput, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's last hidden states and the KV cache after it, with the native loop on or off."""
+    decoder = runner.model.native_decoder
+    cache = runner.kv_cache.clone()
+    try:
+        runner.model.native_decoder = decoder if native else None
+        batch = prepare_batch(out.rows, runner.block_size, runner.device, runner.attention_kernel,
+                              runner.scratch_slot)
+        with torch.inference_mode():
+            hidden = runner.model(batch.input_ids, batch.positions, batch.meta, runner.kv_caches)
+        return hidden, runner.kv_cache.clone()
+    finally:
+        runner.model.native_decoder = decoder
+        runner.kv_cache.copy_(cache)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_same_bits_as_the_python_layer_loop(arch: str) -> None:
+    runner = _runner(arch)
+    assert runner.model.native_decoder is not None
+    out = _mixed_step(runner)
+    hidden, cache = _forward(runner, out, native=True)
+    ref_hidden, ref_cache = _forward(runner, out, native=False)
+    assert hidden.dtype == torch.bfloat16 and torch.isfinite(hidden).all()
+    assert torch.equal(hidden, ref_hidden)
+    assert torch.equal(cache, ref_cache)  # the new tokens' K/V landed in the same slots
+    assert not torch.equal(cache, runner.kv_cache)  # ... and there were some to write
+
+
+@needs_kernels
+def test_generation_is_the_same_with_and_without_it() -> None:
+    """Whole steps through the runner, sampling included: decode after decode, same tokens."""
+    outputs = []
+    for native in (True, False):
+        runner = _runner("llama")
+        if not native:
+            runner.model.native_decoder = None
+        alloc = BlockAllocator(runner.block_size)
+        seqs = [alloc.seq(f"r{i}", list(range(3 + 7 * i, 20 + 9 * i)), 64) for i in range(3)]
+        step(runner, [(s, None) for s in seqs])
+        for _ in range(6):
+            step(runner, [(s, None) for s in seqs])
+        outputs.append([s.output for s in seqs])
+    assert outputs[0] == outputs[1] and len(outputs[0][0]) == 7
+
+
+@pytest.mark.parametrize("case", ["fp32", "unpacked weight", "torch attention"])
+def test_steps_aside_where_it_cannot_run(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 (F.linear weights), a projection the GEMM cannot pack (2 x 100 gate/up columns are not whole
+    16-column panels) and a runner without the native attention all run the Python loop, correctly."""
+    if case == "fp32":
+        runner = _runner("llama", torch.float32)
+    elif case == "unpacked weight":
+        runner = _runner("llama", intermediate_size=100)
+    else:
+        hf = tiny_hf_model("llama")
+        config = ModelConfig.from_hf_config(hf.config.to_dict())
+        runner = ModelRunner.from_model(build_model(config, hf.state_dict(), torch.bfloat16), config, 64, 4,
+                                        native_attention=False)
+    if case != "torch attention":
+        assert runner.model.native_decoder is None
+        assert NativeDecoder.build(runner.model) is None
+
+    def boom(*args: object) -> None:
+        raise AssertionError("the native decoder ran without the native attention's metadata")
+    monkeypatch.setattr(NativeDecoder, "__call__", boom)
+    alloc = BlockAllocator(runner.block_size)
+    seq: Seq = alloc.seq("r", list(range(10, 30)), 64)
+    for _ in range(3):
+        step(runner, [(seq, None)])
+    assert len(seq.output) == 3 and all(0 <= t < 256 for t in seq.output)
