@@ -25,27 +25,30 @@ def _runner(arch: str, dtype: torch.dtype = torch.bfloat16, **overrides: object)
 
 
 def _mixed_step(runner: ModelRunner) -> SchedulerOutput:
-    """Two sequences decoding after their prompts, one prompt half cached (a chunk continues it), one
-    fresh prompt: the shapes a continuous-batching step mixes."""
+    """Two sequences decoding after their prompts, one prompt with 12 tokens cached (a chunk of 10 continues
+    it, not to its end), one fresh prompt: the shapes a continuous-batching step mixes."""
     alloc = BlockAllocator(runner.block_size)
     decoding = [alloc.seq(f"d{i}", list(range(5 + i, 18 + 3 * i)), 64) for i in range(2)]
     chunked = alloc.seq("c", list(range(40, 71)), 64)
     fresh = alloc.seq("f", list(range(90, 99)), 64)
     step(runner, [(s, None) for s in decoding] + [(chunked, 12)])
-    rows = [s.row() for s in decoding] + [chunked.row(19), fresh.row()]
+    rows = [s.row() for s in decoding] + [chunked.row(10), fresh.row()]
     return SchedulerOutput(tuple(rows))
 
 
-def _forward(runner: ModelRunner, out: SchedulerOutput, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's last hidden states and the KV cache after it, with the native loop on or off."""
+def _forward(runner: ModelRunner, out: SchedulerOutput, native: bool,
+             sampled_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's last hidden states (every row's, or the sampled rows' as the runner asks for them) and
+    the KV cache after it, with the native loop on or off."""
     decoder = runner.model.native_decoder
     cache = runner.kv_cache.clone()
     try:
         runner.model.native_decoder = decoder if native else None
         batch = prepare_batch(out.rows, runner.block_size, runner.device, runner.attention_kernel,
                               runner.scratch_slot)
+        keep = (batch.sample_indices, batch.sample_tiles) if sampled_only else (None, None)
         with torch.inference_mode():
-            hidden = runner.model(batch.input_ids, batch.positions, batch.meta, runner.kv_caches)
+            hidden = runner.model(batch.input_ids, batch.positions, batch.meta, runner.kv_caches, False, *keep)
         return hidden, runner.kv_cache.clone()
     finally:
         runner.model.native_decoder = decoder
@@ -64,6 +67,21 @@ def test_same_bits_as_the_python_layer_loop(arch: str) -> None:
     assert torch.equal(hidden, ref_hidden)
     assert torch.equal(cache, ref_cache)  # the new tokens' K/V landed in the same slots
     assert not torch.equal(cache, runner.kv_cache)  # ... and there were some to write
+
+
+@needs_kernels
+def test_last_layer_computes_only_the_sampled_rows() -> None:
+    """The runner asks for the sampled rows only (3 of the step's 21 tokens: the chunk that does not end its
+    prompt samples nothing); the native loop then skips the others in the last layer past its K/V write:
+    the same values, in the rows' order, and the same cache."""
+    runner = _runner("llama")
+    out = _mixed_step(runner)
+    hidden, cache = _forward(runner, out, native=True, sampled_only=True)
+    full, ref_cache = _forward(runner, out, native=False)
+    batch = prepare_batch(out.rows, runner.block_size, runner.device, runner.attention_kernel, runner.scratch_slot)
+    assert hidden.shape == (3, full.shape[1]) and len(full) == 1 + 1 + 10 + 9
+    assert torch.equal(hidden, full[batch.sample_indices])
+    assert torch.equal(cache, ref_cache)
 
 
 @needs_kernels

@@ -144,18 +144,21 @@ class LlamaForCausalLM(nn.Module):
         self.native_decoder: NativeDecoder | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: Sequence[KVCache], profile: bool = False) -> torch.Tensor:
-        """input_ids, positions [T] -> last layer's output [T, H] (final norm is in compute_logits)."""
+                kv_caches: Sequence[KVCache], profile: bool = False, keep: torch.Tensor | None = None,
+                keep_tiles: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> last layer's output (final norm is in compute_logits) of the rows
+        `keep` [R] (default: all, [T, H]). The native loop uses keep_tiles (one attention tile per kept
+        row) to skip the other rows' work in the last layer past its K/V write; same values."""
         with scope("embed+rope_tables", profile):
             x = embedding(input_ids, self.embed_tokens)  # [T, H]
         if self.native_decoder is not None and meta.kernel is not None and not profile:
-            x, residual = self.native_decoder(x, positions, meta, kv_caches)
-            return residual.add_(x)
+            return self.native_decoder(x, positions, meta, kv_caches, keep, keep_tiles)
         residual: torch.Tensor | None = None
         rope = (self.rope_cos, self.rope_sin)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, rope, kv_cache, meta, self.ops, profile)
-        return x if residual is None else residual.add_(x)
+        hidden = x if residual is None else residual.add_(x)
+        return hidden if keep is None else hidden[keep]
 
     def pack_linear_weights(self) -> int:
         """Repack every projection and lm_head (with the embeddings it is tied to) for the native GEMM,

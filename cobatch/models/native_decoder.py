@@ -34,9 +34,11 @@ _Shape = _struct("Shape", [(n, _I64) for n in ("hidden", "inter", "num_heads", "
                                               "block_size")] + [("eps", _FLOAT), ("scale", _FLOAT)])
 _Layer = _struct("Layer", [(n, _PTR) for n in ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm",
                                               "gate_up", "down", "k_cache", "v_cache")])
-_Step = _struct("Step", [(n, _I64) for n in ("num_tokens", "max_blocks", "num_tiles")]
-                + [(n, _PTR) for n in ("positions", "slot_mapping", "block_tables", "tiles", "cos", "sin")])
-_Buffers = _struct("Buffers", [(n, _PTR) for n in ("residual", "x", "h", "qkv", "attn", "gate_up", "act")])
+_Step = _struct("Step", [(n, _I64) for n in ("num_tokens", "max_blocks", "num_tiles", "num_keep")]
+                + [(n, _PTR) for n in ("positions", "slot_mapping", "block_tables", "tiles", "keep", "keep_tiles",
+                                      "cos", "sin")])
+_Buffers = _struct("Buffers", [(n, _PTR) for n in ("residual", "x", "h", "qkv", "attn", "gate_up", "act",
+                                                  "residual_keep", "q_keep")])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -78,27 +80,36 @@ class NativeDecoder:
         return None if lib is None else cls(model, lib)
 
     def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches: Sequence[KVCache]) -> tuple[torch.Tensor, torch.Tensor]:
-        """embeddings [T, H] (overwritten: it becomes the residual stream), positions [T] -> (last MLP
-        output, residual before it), as the layer loop of LlamaForCausalLM.forward returns them."""
+                 kv_caches: Sequence[KVCache], keep: torch.Tensor | None = None,
+                 keep_tiles: torch.Tensor | None = None) -> torch.Tensor:
+        """embeddings [T, H] (overwritten), positions [T] -> the last layer's output (before the final norm)
+        of the rows `keep` [R] (all rows, in order, when None). With keep_tiles ([R, 4]: one attention tile
+        per kept row, see csrc/decoder.c) the last layer computes only those rows past its K/V write."""
         assert meta.block_tables is not None and meta.tiles is not None, "needs the native attention's metadata"
         self._bind_caches(kv_caches)
         c, num_tokens = self._model.config, embeddings.shape[0]
+        prune = keep is not None and keep_tiles is not None and len(keep) < num_tokens
+        num_keep = len(keep) if prune else 0
         residual, positions = embeddings.contiguous(), positions.contiguous()
         x = torch.empty_like(residual)
         buffers = [residual, x] + [residual.new_empty(num_tokens, width) for width in (
             c.hidden_size, c.qkv_size, c.num_heads * c.head_dim, 2 * c.intermediate_size, c.intermediate_size)]
+        buffers += [residual.new_empty(num_keep, width) for width in (c.hidden_size, c.qkv_size)]
         block_tables, tiles = meta.block_tables.contiguous(), meta.tiles.contiguous()
-        step = _Step(num_tokens, block_tables.shape[1], tiles.shape[0], positions.data_ptr(),
+        kept = [keep.contiguous(), keep_tiles.contiguous()] if prune else [None, None]
+        step = _Step(num_tokens, block_tables.shape[1], tiles.shape[0], num_keep, positions.data_ptr(),
                      meta.slot_mapping.contiguous().data_ptr(), block_tables.data_ptr(), tiles.data_ptr(),
-                     self._model.rope_cos.data_ptr(), self._model.rope_sin.data_ptr())
+                     *(_ptr(t) for t in kept), self._model.rope_cos.data_ptr(), self._model.rope_sin.data_ptr())
         status = self._fn(self._kernels, self._shape, self._layers, len(self._layers), step,
                           _Buffers(*(b.data_ptr() for b in buffers)), torch.get_num_threads())
         if status == -1:
             raise MemoryError("native attention could not allocate its scratch buffers")
         if status != 0:
             raise RuntimeError(f"native decoder failed with status {status}")
-        return x, residual
+        if prune:
+            return buffers[-2].add_(x[:num_keep])  # residual_keep + the kept rows' last MLP output
+        hidden = residual.add_(x)
+        return hidden if keep is None else hidden[keep]
 
     def _bind_caches(self, kv_caches: Sequence[KVCache]) -> None:
         """Point the layers at this KV cache (the runner's caches never move; rebinding is for tests)."""

@@ -115,10 +115,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = prepare_batch(out.rows, self.block_size, self.device, self.attention_kernel, self.scratch_slot)
         t1 = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
-                            self._profiling)  # [T, H]
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches, self._profiling,
+                            batch.sample_indices, batch.sample_tiles)  # [R, H]: the rows that sample
         with scope("lm_head", self._profiling):
-            logits = self.model.compute_logits(hidden[batch.sample_indices])  # [R, V] model dtype
+            logits = self.model.compute_logits(hidden)  # [R, V] model dtype
         t2 = time.perf_counter()
         sampled_rows = [row for row in out.rows if row.needs_sample]
         result = self.sampler(logits, sampled_rows, self.eos_token_ids) if sampled_rows else None
@@ -189,12 +189,15 @@ def _pair_indices(pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch
 class Batch:
     """Flat step inputs: token ids and positions [T], attention metadata, rows to sample [R]."""
 
-    __slots__ = ("input_ids", "positions", "meta", "sample_indices")
+    __slots__ = ("input_ids", "positions", "meta", "sample_indices", "sample_tiles")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 sample_indices: torch.Tensor) -> None:
+                 sample_indices: torch.Tensor, sample_tiles: torch.Tensor | None = None) -> None:
         self.input_ids, self.positions, self.meta = input_ids, positions, meta
-        self.sample_indices = sample_indices
+        self.sample_indices = sample_indices  # [R]: the flat token of each sampled row, in `rows` order
+        # [R, 4] (native attention only): each sampled token alone as an attention tile over its row's
+        # blocks (row, its index in sample_indices, 1, context): the last layer attends for just these.
+        self.sample_tiles = sample_tiles
 
 
 def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.device,
@@ -230,9 +233,15 @@ def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.d
     else:
         _add_torch_metadata(meta, block_tables, starts, counts, ends, block_size, device)
     position_in_order = {row_index: k for k, row_index in enumerate(order)}
-    sample_indices = [int(ends[position_in_order[i]]) - 1 for i, r in enumerate(rows) if r.needs_sample]
+    sampled = torch.tensor([position_in_order[i] for i, r in enumerate(rows) if r.needs_sample],
+                           dtype=torch.int64)  # [R]: flat row of each sampled row
+    sample_tiles = None
+    if attention_kernel is not None:
+        context = starts[sampled] + counts[sampled]  # the sampled (last) token's position + 1
+        sample_tiles = torch.stack([sampled, torch.arange(len(sampled)), torch.ones_like(sampled), context],
+                                   dim=1).to(device)
     return Batch(torch.tensor(token_ids, device=device), positions.to(device), meta,
-                 torch.tensor(sample_indices, dtype=torch.int64, device=device))
+                 (ends[sampled] - 1).to(device), sample_tiles)
 
 
 def _padded_block_tables(rows: Sequence[ScheduledRow], block_size: int) -> torch.Tensor:

@@ -44,17 +44,22 @@ typedef struct {
     void *k_cache, *v_cache;  /* [blocks, block_size, kv heads, head_dim] */
 } Layer;
 
-/* This step's batch: the attention metadata of models/attention.py. */
+/* This step's batch: the attention metadata of models/attention.py, and the rows whose output is wanted
+ * (the sampled ones). With keep == NULL every row's is; else the last layer computes only those rows past
+ * its K/V write, since nothing else reads the others' outputs (llama.cpp does the same): a prefill step
+ * of 2k tokens that samples a dozen saves nearly a layer's worth of work. keep_tiles: one tile per kept
+ * row (its row of block_tables, its index in keep, 1 token, its context). */
 typedef struct {
-    int64_t num_tokens, max_blocks, num_tiles;
-    const int64_t *positions, *slot_mapping, *block_tables, *tiles;
+    int64_t num_tokens, max_blocks, num_tiles, num_keep;
+    const int64_t *positions, *slot_mapping, *block_tables, *tiles, *keep, *keep_tiles;
     const void *cos, *sin;  /* RoPE tables [max_pos, head_dim / 2] */
 } Step;
 
-/* Activations, bf16 rows of num_tokens: residual (in: embeddings; out: the running sum before the last
- * MLP), x (out: the last MLP output), h [hidden], qkv [(heads + 2 kv heads) head_dim], attn [heads
- * head_dim], gate_up [2 inter], act [inter]. */
-typedef struct { void *residual, *x, *h, *qkv, *attn, *gate_up, *act; } Buffers;
+/* Activations, bf16 rows: residual (in: the embeddings; out: the running sum before the last MLP), x (out:
+ * the last MLP output), h [hidden], qkv [(heads + 2 kv heads) head_dim], attn [heads head_dim], gate_up
+ * [2 inter], act [inter], num_tokens rows each; with keep, residual_keep [num_keep, hidden] and q_keep
+ * [num_keep, qkv width] hold the kept rows, and the outputs are residual_keep and x's first num_keep rows. */
+typedef struct { void *residual, *x, *h, *qkv, *attn, *gate_up, *act, *residual_keep, *q_keep; } Buffers;
 
 /* The new tokens' K and V (columns of qkv after q) into their cache slots. */
 static void write_kv(const Shape *s, const Layer *l, const Step *st, const uint16_t *qkv, int64_t qkv_width) {
@@ -68,22 +73,40 @@ static void write_kv(const Shape *s, const Layer *l, const Step *st, const uint1
     }
 }
 
-/* One layer; returns 0 or the failing kernel's status. */
+/* dst[i] = src[rows[i]] for n rows of `width` bf16 values. */
+static void gather_rows(void *dst, const void *src, const int64_t *rows, int64_t n, int64_t width) {
+    for (int64_t i = 0; i < n; i++)
+        memcpy((uint16_t *)dst + i * width, (const uint16_t *)src + rows[i] * width, sizeof(uint16_t) * width);
+}
+
+/* One layer; returns 0 or the failing kernel's status. `last` with st->keep: only the kept rows past the
+ * K/V write (their q and residual gathered first). */
 static int layer_forward(const Kernels *k, const Shape *s, const Layer *l, const Step *st, const Buffers *b,
-                         int first, int threads) {
-    const int64_t T = st->num_tokens, H = s->hidden, nh = s->num_heads, kvh = s->num_kv_heads, hd = s->head_dim;
+                         int first, int last, int threads) {
+    const int64_t H = s->hidden, nh = s->num_heads, kvh = s->num_kv_heads, hd = s->head_dim;
     const int64_t qkv_width = (nh + 2 * kvh) * hd;
+    int64_t T = st->num_tokens;
     int status;
     k->add_rms_norm(first ? NULL : b->x, b->residual, l->input_norm, b->h, T, H, s->eps, 1);
     if ((status = k->gemm(b->h, l->qkv, l->qkv_bias, b->qkv, T, qkv_width, H, threads))) return status;
     k->rope(b->qkv, st->cos, st->sin, st->positions, T, qkv_width, nh + kvh, hd, 1);
     write_kv(s, l, st, b->qkv, qkv_width);
-    if ((status = k->attention(b->qkv, qkv_width, l->k_cache, l->v_cache, st->block_tables, st->max_blocks,
-                               st->tiles, (int)st->num_tiles, b->attn, (int)nh, (int)kvh, (int)hd,
-                               (int)s->block_size, s->scale)))
+    const void *q = b->qkv;
+    const int64_t *tiles = st->tiles;
+    int64_t num_tiles = st->num_tiles;
+    void *residual = b->residual;
+    if (last && st->keep != NULL) {
+        T = st->num_keep;
+        if (T == 0) return 0;
+        gather_rows(b->q_keep, b->qkv, st->keep, T, qkv_width);
+        gather_rows(b->residual_keep, b->residual, st->keep, T, H);
+        q = b->q_keep, tiles = st->keep_tiles, num_tiles = T, residual = b->residual_keep;
+    }
+    if ((status = k->attention(q, qkv_width, l->k_cache, l->v_cache, st->block_tables, st->max_blocks, tiles,
+                               (int)num_tiles, b->attn, (int)nh, (int)kvh, (int)hd, (int)s->block_size, s->scale)))
         return status;
     if ((status = k->gemm(b->attn, l->o, l->o_bias, b->x, T, H, nh * hd, threads))) return status;
-    k->add_rms_norm(b->x, b->residual, l->post_norm, b->h, T, H, s->eps, 1);
+    k->add_rms_norm(b->x, residual, l->post_norm, b->h, T, H, s->eps, 1);
     if ((status = k->gemm(b->h, l->gate_up, NULL, b->gate_up, T, 2 * s->inter, H, threads))) return status;
     k->silu_mul(b->gate_up, b->act, T, s->inter, 1);
     return k->gemm(b->act, l->down, NULL, b->x, T, H, s->inter, threads);
@@ -95,7 +118,7 @@ int decoder_forward(const Kernels *k, const Shape *s, const Layer *layers, int n
                     const Buffers *b, int threads) {
     if (st->num_tokens <= 0) return 0;
     for (int i = 0; i < num_layers; i++) {
-        int status = layer_forward(k, s, &layers[i], st, b, i == 0, threads);
+        int status = layer_forward(k, s, &layers[i], st, b, i == 0, i == num_layers - 1, threads);
         if (status) return status;
     }
     return 0;
