@@ -2,10 +2,11 @@
 machine, loaded with ctypes; `None` wherever they cannot be built (then the pure-torch paths run).
 
 `build_library` is the shared build step; the paged attention kernel's wrapper lives here, the packed
-bf16 GEMM's in models/linear.py, the fused elementwise ops' (and greedy argmax) in models/fused_ops.py.
+bf16 GEMM's in models/linear.py, the fused elementwise ops' (and greedy argmax) in models/fused_ops.py,
+the C layer loop's (which calls the other three) in models/native_decoder.py.
 
 Why not torch.utils.cpp_extension: torch's headers make a build take a minute; these plain C files build
-in ~17 s together (once per source and CPU) and need nothing but gcc (or cc) with OpenMP.
+in ~19 s together (once per source and CPU) and need nothing but gcc (or cc) with OpenMP.
 """
 
 from __future__ import annotations
