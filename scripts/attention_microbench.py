@@ -20,7 +20,8 @@ import torch
 from cobatch.models.attention import make_tiles
 from cobatch.models.native import AttentionKernel, load_attention_kernel
 
-LAYERS, BLOCKS, BS, NH, KVH, HD = 30, 2400, 16, 9, 3, 64
+BS = int(os.environ.get("BS", "16"))  # block size (tokens)
+LAYERS, BLOCKS, NH, KVH, HD = 30, 2400 * 16 // BS, 9, 3, 64
 torch.set_num_threads(int(os.environ.get("NT", "2")))
 DTYPE = getattr(torch, os.environ.get("DTYPE", "bfloat16"))
 KERNEL = AttentionKernel(ctypes.CDLL(os.environ["PA_SO"])) if os.environ.get("PA_SO") else load_attention_kernel()
