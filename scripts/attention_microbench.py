@@ -5,9 +5,9 @@ calls) for decode rows at ctx 256 and a 12 x 170 prefill, and decode's K/V bandw
     .venv/bin/python scripts/attention_microbench.py [prefill] [B ...]
 
 Environment: NT threads (2); DTYPE (bfloat16); PA_SO a variant build of csrc/paged_attention.c (A/B of
--D settings); TILE query tokens per tile; SHUFFLE=1 blocks scattered over the pool (as after LRU
-churn); HUGE=1 caches on transparent huge pages (what TLB misses cost); CACHES=1 one cache for all
-layers (K/V from the CPU caches: the compute-bound time).
+-D settings); TILE query tokens per tile; BS block size (16; the pool keeps its token count); SHUFFLE=1
+blocks scattered over the pool (as after LRU churn); HUGE=1 caches on transparent huge pages (what TLB
+misses cost); CACHES=1 one cache for all layers (K/V from the CPU caches: the compute-bound time).
 """
 import ctypes
 import os
