@@ -87,3 +87,19 @@ def test_unknown_rope_scaling_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
         load_model_config(tmp_path)
+
+
+def test_dense_gguf_copy_holds_the_same_weights(tmp_path: Path) -> None:
+    """scripts/dense_gguf.py (the llama.cpp comparison's model file): a bf16 copy of the built-in Q4_1 GGUF
+    loads as the same model with exactly the bf16 weights cobatch serves."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "dense.gguf"
+    subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts" / "dense_gguf.py"), str(out)],
+                   check=True, capture_output=True, timeout=300)
+    reference, config = load_model(resolve_model_path(None), torch.bfloat16, "cpu")
+    dense, dense_config = load_model(out, torch.bfloat16, "cpu")
+    assert dense_config == config
+    params = dict(reference.named_parameters())
+    assert all(torch.equal(params[name], p) for name, p in dense.named_parameters())
