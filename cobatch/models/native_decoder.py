@@ -67,6 +67,7 @@ class NativeDecoder:
                                        layer.down_proj)), None, None)
             for layer in model.layers))
         self._cache_ptrs: tuple[int, ...] = ()
+        self._scratch = torch.empty(0, dtype=torch.bfloat16)  # the per-step activations (_workspace)
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> NativeDecoder | None:
@@ -91,10 +92,9 @@ class NativeDecoder:
         prune = keep is not None and keep_tiles is not None and len(keep) < num_tokens
         num_keep = len(keep) if prune else 0
         residual, positions = embeddings.contiguous(), positions.contiguous()
-        x = torch.empty_like(residual)
-        buffers = [residual, x] + [residual.new_empty(num_tokens, width) for width in (
-            c.hidden_size, c.qkv_size, c.num_heads * c.head_dim, 2 * c.intermediate_size, c.intermediate_size)]
-        buffers += [residual.new_empty(num_keep, width) for width in (c.hidden_size, c.qkv_size)]
+        x, *scratch = self._workspace(num_tokens)
+        buffers = [residual, x, *scratch] + [residual.new_empty(num_keep, width)
+                                            for width in (c.hidden_size, c.qkv_size)]
         block_tables, tiles = meta.block_tables.contiguous(), meta.tiles.contiguous()
         kept = [keep.contiguous(), keep_tiles.contiguous()] if prune else [None, None]
         step = _Step(num_tokens, block_tables.shape[1], tiles.shape[0], num_keep, positions.data_ptr(),
@@ -110,6 +110,23 @@ class NativeDecoder:
             return buffers[-2].add_(x[:num_keep])  # residual_keep + the kept rows' last MLP output
         hidden = residual.add_(x)
         return hidden if keep is None else hidden[keep]
+
+    def _workspace(self, num_tokens: int) -> list[torch.Tensor]:
+        """x, h, qkv, attn, gate_up, act for num_tokens rows: views of one buffer kept across steps and
+        grown on demand (a 2k-token prefill step's ~30 MB would otherwise be mapped and faulted in anew
+        every step). Each view starts on a 64-byte boundary. Nothing returned to the caller lives here."""
+        c = self._model.config
+        widths = (c.hidden_size, c.hidden_size, c.qkv_size, c.num_heads * c.head_dim, 2 * c.intermediate_size,
+                  c.intermediate_size)
+        sizes = [-(-num_tokens * w // 32) * 32 for w in widths]  # whole 64-byte lines of bf16
+        if self._scratch.numel() < sum(sizes):
+            self._scratch = torch.empty(sum(sizes) + 32, dtype=torch.bfloat16)
+        base = (-self._scratch.data_ptr() // 2) % 32  # elements to the first 64-byte boundary
+        views = []
+        for width, size in zip(widths, sizes):
+            views.append(self._scratch[base:base + num_tokens * width].view(num_tokens, width))
+            base += size
+        return views
 
     def _bind_caches(self, kv_caches: Sequence[KVCache]) -> None:
         """Point the layers at this KV cache (the runner's caches never move; rebinding is for tests)."""
