@@ -95,10 +95,12 @@ class NativeDecoder:
         x, *scratch = self._workspace(num_tokens)
         buffers = [residual, x, *scratch] + [residual.new_empty(num_keep, width)
                                             for width in (c.hidden_size, c.qkv_size)]
+        # Every tensor whose address C gets stays referenced here until the call returns.
         block_tables, tiles = meta.block_tables.contiguous(), meta.tiles.contiguous()
+        slot_mapping = meta.slot_mapping.contiguous()
         kept = [keep.contiguous(), keep_tiles.contiguous()] if prune else [None, None]
         step = _Step(num_tokens, block_tables.shape[1], tiles.shape[0], num_keep, positions.data_ptr(),
-                     meta.slot_mapping.contiguous().data_ptr(), block_tables.data_ptr(), tiles.data_ptr(),
+                     slot_mapping.data_ptr(), block_tables.data_ptr(), tiles.data_ptr(),
                      *(_ptr(t) for t in kept), self._model.rope_cos.data_ptr(), self._model.rope_sin.data_ptr())
         status = self._fn(self._kernels, self._shape, self._layers, len(self._layers), step,
                           _Buffers(*(b.data_ptr() for b in buffers)), torch.get_num_threads())
@@ -133,9 +135,9 @@ class NativeDecoder:
         ptrs = tuple(t.data_ptr() for kv in kv_caches for t in kv)
         if ptrs == self._cache_ptrs:
             return
-        assert len(kv_caches) == len(self._layers) and all(t.is_contiguous() for kv in kv_caches for t in kv)
+        assert len(kv_caches) == len(self._layers) and all(
+            t.is_contiguous() and t.dtype == torch.bfloat16 for kv in kv_caches for t in kv)
         for layer, (k, v) in zip(self._layers, kv_caches):
             layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
         self._shape.block_size = kv_caches[0][0].shape[1]
         self._cache_ptrs = ptrs
-

@@ -4,7 +4,8 @@
  *
  * Why: a decode step's kernels are small: at batch 1 the layer loop made ~15 Python/torch calls per layer
  * (wrappers, views, output allocations, the K/V index copies), ~3-4 ms per step against ~8 ms of weight
- * streaming. Here the loop is C and the activations live in six buffers the caller allocates once per step.
+ * streaming (measured: B=1 10.8 -> 8.1 ms). Here the loop is C; the activations live in buffers the caller
+ * keeps across steps.
  *
  * The kernels come as function pointers from their own libraries (gemm_bf16.c, fused_ops.c,
  * paged_attention.c; models/native_decoder.py passes them), so each keeps one build and one copy.
