@@ -56,9 +56,14 @@ def _forward(runner: ModelRunner, out: SchedulerOutput, native: bool,
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
-def test_same_bits_as_the_python_layer_loop(arch: str) -> None:
-    runner = _runner(arch)
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}),  # head_dim 16: the attention kernel's plain C path
+    ("qwen2", {}),  # q/k/v biases
+    ("llama", {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1}),  # hd 64: AVX-512
+    ("llama", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4}),  # hd 32, no GQA
+])
+def test_same_bits_as_the_python_layer_loop(arch: str, overrides: dict) -> None:
+    runner = _runner(arch, **overrides)
     assert runner.model.native_decoder is not None
     out = _mixed_step(runner)
     hidden, cache = _forward(runner, out, native=True)
