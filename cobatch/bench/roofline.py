@@ -110,7 +110,7 @@ def measure_machine(model: object, reps: int = 10, m: int = 1024, bandwidth_byte
             continue
         seen.add((n, k))
         x = torch.randn(m, k, dtype=weight.dtype)
-        plain = unpack_weight(weight).contiguous() if is_packed(weight) else weight
+        plain = unpack_weight(weight) if is_packed(weight) else weight  # a contiguous copy
         peak = max(peak, _best_rate(2.0 * m * n * k, lambda: F.linear(x, plain), reps))
         if is_packed(weight):
             peak = max(peak, _best_rate(2.0 * m * n * k, lambda: linear(x, weight), reps))
