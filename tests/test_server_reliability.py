@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,39 +44,50 @@ def async_client(server: ServerProcess, timeout_s: float = 60.0) -> httpx.AsyncC
     return httpx.AsyncClient(base_url=server.base_url, timeout=timeout_s, limits=limits)
 
 
-async def watch_health(client: httpx.AsyncClient, stop: asyncio.Event) -> list[tuple[int, float]]:
-    """(status, seconds) of /health polled every 50 ms until `stop`."""
-    samples = []
-    while not stop.is_set():
-        start = time.monotonic()
-        response = await client.get("/health")
-        samples.append((response.status_code, time.monotonic() - start))
-        await asyncio.sleep(0.05)
-    return samples
+class HealthWatcher(threading.Thread):
+    """Polls /health every 50 ms from its own thread (and connection) until stopped: the probe's
+    latency is the server's, not the wait of a client event loop busy with hundreds of requests."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        super().__init__(daemon=True)
+        self.server = server
+        self.stop_event = threading.Event()
+        self.samples: list[tuple[int, float]] = []
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.server.base_url, timeout=10.0) as client:
+            while not self.stop_event.is_set():
+                start = time.monotonic()
+                status = client.get("/health").status_code
+                self.samples.append((status, time.monotonic() - start))
+                self.stop_event.wait(0.05)
+
+    def stop(self) -> list[tuple[int, float]]:
+        self.stop_event.set()
+        self.join()
+        return self.samples
 
 
 # ---- load ---------------------------------------------------------------------------------------
 
 def test_500_concurrent_requests_succeed_and_health_stays_fast(server: ServerProcess) -> None:
-    async def main() -> tuple[list[httpx.Response], list[tuple[int, float]]]:
-        async with async_client(server) as client, async_client(server) as probe:
-            stop = asyncio.Event()
-            health = asyncio.ensure_future(watch_health(probe, stop))
+    async def main() -> list[httpx.Response]:
+        async with async_client(server) as client:
             body = lambda i: {**SHORT, "prompt": f"Request number {i}", "stream": i % 5 == 0}
-            responses = await asyncio.gather(*(client.post(COMPLETIONS, json=body(i))
-                                               for i in range(500)))
-            stop.set()
-            return responses, await health
+            return await asyncio.gather(*(client.post(COMPLETIONS, json=body(i)) for i in range(500)))
 
-    responses, health = asyncio.run(main())
+    watcher = HealthWatcher(server)
+    watcher.start()
+    responses = asyncio.run(main())
+    health = watcher.stop()
     statuses = [r.status_code for r in responses]
     assert statuses == [200] * 500, {s: statuses.count(s) for s in set(statuses)}
     assert all(r.text.rstrip().endswith("[DONE]") if i % 5 == 0 else r.json()["choices"]
                for i, r in enumerate(responses))
-    assert len(health) >= 3 and all(status == 200 for status, _ in health), health
+    assert len(health) >= 2 and all(status == 200 for status, _ in health), health
     # A kubelet with default probe settings (timeout 1 s, failureThreshold 3) must never restart the
     # server: no 3 probes in a row over 1 s. (One slow probe alone happens on a busy 2-core machine: the
-    # probe shares this process's event loop with the 500 requests' client side.)
+    # probe thread shares this process's GIL with the 500 requests' client side.)
     slow = [seconds >= 1.0 for _, seconds in health]
     assert not any(all(slow[i:i + 3]) for i in range(len(slow) - 2)), \
         f"/health over 1 s three times in a row under load: {[round(s, 2) for _, s in health]}"
