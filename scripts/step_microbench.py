@@ -1,5 +1,5 @@
 """Step microbench for kernel work: median ms of a 12x170-token prefill step and of decode steps at B=1,8,32,64
-(ctx 256), bf16, NT threads (default 2); --profile adds the per-part split. Not a benchmark of record
+(ctx 256; BS=1,8,16 picks others), bf16, NT threads (default 2); --profile adds the per-part split. Not a benchmark of record
 (see `cobatch bench`): a quick A/B tool while changing kernels."""
 import sys, time, statistics, os
 import torch
@@ -19,7 +19,7 @@ def prefill(n=12, L=170):
         num_computed_tokens=0, num_new_tokens=L, block_table=list(range(i*11, i*11+11)), sampling_params=GREEDY,
         needs_sample=True) for i in range(n))
     return SchedulerOutput(rows=rows)
-cases = [("prefill12x170", prefill())] + [(f"decode B={b}", decode_step(b, 256, 16, 2400)) for b in (1, 8, 32, 64)]
+cases = [("prefill12x170", prefill())] + [(f"decode B={b}", decode_step(b, 256, 16, 2400)) for b in [int(v) for v in os.environ.get("BS", "1,8,32,64").split(",")]]
 for name, out in cases:
     r.execute(out)
     ts = []

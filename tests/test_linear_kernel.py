@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from cobatch.models import linear as linear_module
 from cobatch.models.linear import (PackedGemm, can_pack, embedding, is_packed, linear, native_gemm, pack_weight,
-                                   unpack_weight)
+                                   packed_shape, unpack_weight)
 
 KERNEL = native_gemm()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no AVX512-BF16 or no compiler here")
@@ -63,13 +63,16 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     return linear(x, pack_weight(w), b)
 
 
-def test_pack_layout_and_round_trip() -> None:
-    w = torch.arange(48 * 10, dtype=torch.float32).view(48, 10).bfloat16()
+@pytest.mark.parametrize("n,columns", [(48, 48), (96, 48), (32, 16), (64, 16), (80, 16)])
+def test_pack_layout_and_round_trip(n: int, columns: int) -> None:
+    """Blocks of 3 panels (48 columns) side by side where N's panels divide by 3, else single panels."""
+    w = torch.arange(n * 10, dtype=torch.float32).view(n, 10).bfloat16()
     packed = pack_weight(w)
-    assert packed.shape == (3, 5, 16, 2) and is_packed(packed) and not is_packed(w)
-    for p, kk, j, t in [(0, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (2, 4, 15, 1), (1, 3, 7, 0)]:
-        assert packed[p, kk, j, t] == w[16 * p + j, 2 * kk + t]
-    assert torch.equal(unpack_weight(packed), w)
+    assert packed.shape == (n // columns, 5, columns, 2) and is_packed(packed) and not is_packed(w)
+    for b, kk, c, t in [(0, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (n // columns - 1, 4, columns - 1, 1),
+                        (0, 3, columns // 2, 0)]:
+        assert packed[b, kk, c, t] == w[columns * b + c, 2 * kk + t]
+    assert torch.equal(unpack_weight(packed), w) and packed_shape(packed) == (n, 10)
 
 
 @pytest.mark.parametrize("shape,dtype,ok", [((32, 64), torch.bfloat16, True), ((40, 64), torch.bfloat16, False),
@@ -78,8 +81,10 @@ def test_can_pack(shape: tuple[int, int], dtype: torch.dtype, ok: bool) -> None:
     assert can_pack(torch.zeros(shape, dtype=dtype)) == (ok and KERNEL is not None)
 
 
-# panels 1..7 (tile widths 3 + tails of 1 and 2), K from one pair to the model's sizes
-SHAPES = [(960, 576), (576, 1536), (16, 2), (32, 70), (48, 34), (64, 96), (80, 576), (112, 64)]
+# panels 1..9 (tile widths 3 + tails of 1 and 2; blocks of 3 panels where the count divides by 3), K from
+# one pair to the model's sizes
+SHAPES = [(960, 576), (576, 1536), (16, 2), (32, 70), (48, 34), (64, 96), (80, 576), (96, 64), (112, 64),
+          (144, 40)]
 
 
 @needs_kernel
@@ -123,10 +128,11 @@ def test_rounds_like_torch(request: pytest.FixtureRequest) -> None:
 
 
 @needs_kernel
-def test_rows_do_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("n", [304, 288])  # single panels; blocks of 3 (software prefetch from 20 rows on)
+def test_rows_do_not_depend_on_the_batch(n: int) -> None:
     """Each output is one dot product in a fixed order, whatever M, the tiling or the thread count: a
     row's bits do not change with the batch it runs in (the engine's determinism relies on that)."""
-    x, w, b = _operands(600, 304, 200, True, seed=2)
+    x, w, b = _operands(600, n, 200, True, seed=2)
     packed = pack_weight(w)
     full = linear(x, packed, b)
     for m in (1, 3, 16, 17, 256, 300):
@@ -143,9 +149,10 @@ def test_rows_do_not_depend_on_the_batch() -> None:
 
 
 @needs_kernel
-def test_embedding_reads_packed_rows() -> None:
-    _, w, _ = _operands(1, 64, 24, False, seed=5)
-    ids = torch.tensor([[0, 17, 63], [5, 5, 32]])
+@pytest.mark.parametrize("vocab", [64, 96])  # single panels, blocks of 3
+def test_embedding_reads_packed_rows(vocab: int) -> None:
+    _, w, _ = _operands(1, vocab, 24, False, seed=5)
+    ids = torch.tensor([[0, 17, 63], [5, 5, vocab - 1]])
     assert torch.equal(embedding(ids, pack_weight(w)), F.embedding(ids, w))
     assert torch.equal(embedding(ids, w), F.embedding(ids, w))
 

@@ -8,8 +8,9 @@ explains it). Measured on this machine's model shapes with the weights not in ca
 1.02-1.19x at 256-1024; 455-466 GFLOP/s with the weights in cache (the AVX512-BF16 peak of 2 Zen4 cores
 is ~470).
 
-`pack_weight` turns a [N, K] weight into the packed [N/16, K/2, 16, 2] tensor (a plain permutation:
-same bytes, no copy kept); `linear(x, weight, bias)` takes either layout: a packed weight goes to the
+`pack_weight` turns a [N, K] weight into the packed [N/16B, K/2, 16B, 2] tensor, B = 3 panels per block
+where N/16 allows it, else 1 (a plain permutation: same bytes, no copy kept; the C file explains why
+blocks of 3); `linear(x, weight, bias)` takes either layout: a packed weight goes to the
 kernel, a [N, K] one to F.linear. `embedding` looks rows up in either layout (a tied lm_head is packed
 together with the embedding table). Weights are packed only where the kernel exists (AVX512-BF16, a
 compiler, COBATCH_NO_NATIVE unset), for bf16 CPU weights with N % 16 == 0 and K even.
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from cobatch.models.native import load_library
 
 PANEL = 16  # output columns per packed panel (one AVX-512 vector of fp32 results)
+BLOCK_PANELS = 3  # panels side by side in a packed block: the kernel's tile width (NZ in gemm_bf16.c)
 
 _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -79,10 +81,17 @@ def can_pack(weight: torch.Tensor) -> bool:
             and weight.shape[0] % PANEL == 0 and weight.shape[1] % 2 == 0 and native_gemm() is not None)
 
 
+def block_columns(out_features: int) -> int:
+    """Output columns per packed block: 3 panels when they divide N's panels, else 1 (the C kernel's
+    block_panels rule: both sides must agree)."""
+    return PANEL * (BLOCK_PANELS if (out_features // PANEL) % BLOCK_PANELS == 0 else 1)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> packed [N/16, K/2, 16, 2]: packed[p, kk, j, t] = weight[16 p + j, 2 kk + t]."""
+    """[N, K] -> packed [N/C, K/2, C, 2] with C = block_columns(N): packed[b, kk, c, t] = weight[C b + c, 2 kk + t]."""
     n, k = weight.shape
-    return weight.view(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    c = block_columns(n)
+    return weight.view(n // c, c, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
@@ -97,7 +106,7 @@ def is_packed(weight: torch.Tensor) -> bool:
 
 def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
     """(N, K) of the weight a packed tensor holds."""
-    return packed.shape[0] * PANEL, packed.shape[1] * 2
+    return packed.shape[0] * packed.shape[2], packed.shape[1] * 2
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,5 +123,6 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not is_packed(weight):
         return F.embedding(ids, weight)
     flat = ids.reshape(-1)
-    rows = weight[flat // PANEL, :, flat % PANEL, :]  # [T, H/2, 2]: advanced indices go first
+    c = weight.shape[2]  # columns per block
+    rows = weight[flat // c, :, flat % c, :]  # [T, H/2, 2]: advanced indices go first
     return rows.reshape(*ids.shape, packed_shape(weight)[1])

@@ -2,11 +2,17 @@
  *
  * Why: one kernel for every M, decode (M = 1..64, weights streamed from DRAM once per step) and prefill
  * (M in the thousands, compute-bound), at the machine's limit in both. The weight is repacked once at
- * load time (models/linear.py, plain torch) into panels of 16 output columns whose K pairs interleave:
+ * load time (models/linear.py, plain torch) into blocks of B panels of 16 output columns whose K pairs
+ * interleave:
  *
- *     packed[p][kk][j][t] = W[16 p + j][2 kk + t]      (p < N/16, kk < K/2, j < 16, t < 2)
+ *     packed[b][kk][c][t] = W[16 B b + c][2 kk + t]    (b < N/16B, kk < K/2, c < 16 B, t < 2)
  *
- * so one 64-byte line holds one K pair of 16 outputs: exactly the B operand of vdpbf16ps. A micro-tile of
+ * so one 64-byte line holds one K pair of 16 outputs (panel p = B b + c / 16): exactly the B operand of
+ * vdpbf16ps. B = NZ (3) when the panel count allows it, else 1 (block_panels; linear.py has the same
+ * rule): then the NZ panels a micro-tile reads sit side by side, and a group is one sequential stream
+ * (kk-major) that the hardware prefetcher follows across groups. Measured against B = 1 (three streams
+ * 18 KB apart per group) with the weights not in cache: 1.09x at M = 1, 1.23x at M = 8, 1.02-1.04x at
+ * M = 16..64 (scripts/linear_microbench.py-style A/B, one process). A micro-tile of
  * MR input rows x NZ panels keeps MR * NZ fp32 vectors of results in registers; per K pair it loads NZ
  * weight lines and broadcasts MR pairs of x, then does MR * NZ dot products (8 x 3: 24 of them for 11
  * loads, no horizontal sums: each lane is one output). Rows are taken 8 at a time against a group of
@@ -36,9 +42,14 @@
 #endif
 /* Prefetch of the next panel group (Zen4, scripts/linear_microbench.py, weights not in cache): into L1
  * (T0) beats L2 (T1) by 7% at M = 32 and is even at M = 1..8; none is 5-7% slower; 2 or 3 groups ahead
- * no better. -D to retune. */
+ * no better. With sequential groups (B = NZ) the hardware prefetcher does better alone below PF_MIN_M
+ * rows (1.1-1.2x at M = 1..16) and the software prefetch still pays from 24 rows on (1.03-1.08x). -D to
+ * retune. */
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T0
+#endif
+#ifndef PF_MIN_M
+#define PF_MIN_M 20 /* with B = NZ: software prefetch from this many rows on */
 #endif
 #ifndef PF_AHEAD
 #define PF_AHEAD 1 /* groups ahead (0: no software prefetch) */
@@ -71,8 +82,12 @@ typedef struct {
     int64_t phase, every;
 } Prefetch;
 
-/* y[0..mr, 0..16 nz) = x[0..mr] . panels wp[0..nz) (+ bias); panel_stride: elements between panels. */
-INLINE void tile(const uint16_t *x, int64_t K, const uint16_t *wp, int64_t panel_stride,
+/* Where a group's K pair kk of panel z sits, in elements from the group's start: z * zstride + kk *
+ * kstride (B = NZ: 32 and 32 NZ; B = 1: 16 K and 32). */
+typedef struct { int64_t zstride, kstride; } Strides;
+
+/* y[0..mr, 0..16 nz) = x[0..mr] . panels wp[0..nz) (+ bias). */
+INLINE void tile(const uint16_t *x, int64_t K, const uint16_t *wp, Strides st,
                  const uint16_t *bias, uint16_t *y, int64_t N, int mr, int nz, Prefetch pf) {
     __m512 acc[MR * NZ];
 #pragma GCC unroll 8
@@ -84,10 +99,10 @@ INLINE void tile(const uint16_t *x, int64_t K, const uint16_t *wp, int64_t panel
     for (int64_t kk = 0; kk < pairs; kk++) {
         __m512bh w[NZ];
 #pragma GCC unroll 3
-        for (int z = 0; z < nz; z++) w[z] = (__m512bh)_mm512_loadu_si512(wp + z * panel_stride + kk * 2 * NR);
+        for (int z = 0; z < nz; z++) w[z] = (__m512bh)_mm512_loadu_si512(wp + z * st.zstride + kk * st.kstride);
         if (countdown-- == 0) {
 #pragma GCC unroll 3
-            for (int z = 0; z < nz; z++) _mm_prefetch((const char *)(pf.next + z * panel_stride + kk * 2 * NR), PF_HINT);
+            for (int z = 0; z < nz; z++) _mm_prefetch((const char *)(pf.next + z * st.zstride + kk * st.kstride), PF_HINT);
             countdown = pf.every - 1;
         }
 #pragma GCC unroll 8
@@ -107,9 +122,9 @@ INLINE void tile(const uint16_t *x, int64_t K, const uint16_t *wp, int64_t panel
 }
 
 /* Each (mr, nz) its own fully unrolled copy: tile sizes must be literals for the registers to work out. */
-#define CASE(R, Z) case (R) * 4 + (Z): tile(x, K, wp, panel_stride, bias, y, N, R, Z, pf); break;
+#define CASE(R, Z) case (R) * 4 + (Z): tile(x, K, wp, st, bias, y, N, R, Z, pf); break;
 #define CASES(R) CASE(R, 1) CASE(R, 2) CASE(R, 3)
-static void tile_any(const uint16_t *x, int64_t K, const uint16_t *wp, int64_t panel_stride, const uint16_t *bias,
+static void tile_any(const uint16_t *x, int64_t K, const uint16_t *wp, Strides st, const uint16_t *bias,
                      uint16_t *y, int64_t N, int mr, int nz, Prefetch pf) {
     switch (mr * 4 + nz) {
         CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6) CASES(7) CASES(8)
@@ -117,18 +132,22 @@ static void tile_any(const uint16_t *x, int64_t K, const uint16_t *wp, int64_t p
     }
 }
 
+/* Panels per packed block (B above): NZ when they divide the panel count, else 1. */
+static inline int64_t block_panels(int64_t N) { return (N / NR) % NZ == 0 ? NZ : 1; }
+
 /* Rows m0..m1 of x against panel group g (panels NZ g .. NZ g + nz), prefetching the group after it
- * (next: NULL at the end of this thread's run). */
+ * (next: NULL at the end of this thread's run). Either layout puts group g at NZ g K NR elements. */
 static void group_rows(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y, int64_t M0,
                        int64_t M1, int64_t N, int64_t K, int64_t g, const uint16_t *next) {
-    const int64_t panels = N / NR, panel_stride = K * NR, p0 = g * NZ;
+    const int64_t panels = N / NR, p0 = g * NZ;
     const int nz = (int)(panels - p0 < NZ ? panels - p0 : NZ);
+    const Strides st = block_panels(N) == NZ ? (Strides){2 * NR, 2 * NR * NZ} : (Strides){K * NR, 2 * NR};
     const int64_t tiles = (M1 - M0 + MR - 1) / MR;
     int64_t t = 0;
     for (int64_t m = M0; m < M1; m += MR, t++) {
         int mr = (int)(M1 - m < MR ? M1 - m : MR);
         Prefetch pf = {next, t, tiles};
-        tile_any(x + m * K, K, wp + p0 * panel_stride, panel_stride, bias != NULL ? bias + p0 * NR : NULL,
+        tile_any(x + m * K, K, wp + p0 * K * NR, st, bias != NULL ? bias + p0 * NR : NULL,
                  y + m * N + p0 * NR, N, mr, nz, pf);
     }
 }
@@ -142,6 +161,7 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
     if (N % NR != 0 || K % 2 != 0 || M <= 0) return -2;
     const int64_t groups = (N / NR + NZ - 1) / NZ, chunks = (M + MC - 1) / MC, tasks = groups * chunks;
     int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    const int prefetch = PF_AHEAD > 0 && (block_panels(N) == 1 || M >= PF_MIN_M);
     if (threads > tasks) threads = (int)tasks;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -152,7 +172,7 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
             int64_t m0 = c * MC, m1 = m0 + MC < M ? m0 + MC : M;
             /* prefetch the next group when this is the last chunk of the group and the next is ours */
             const uint16_t *next = NULL;
-            if (PF_AHEAD > 0 && c == chunks - 1 && task + PF_AHEAD < last && (g + PF_AHEAD) * NZ < N / NR)
+            if (prefetch && c == chunks - 1 && task + PF_AHEAD < last && (g + PF_AHEAD) * NZ < N / NR)
                 next = (const uint16_t *)wp + (g + PF_AHEAD) * NZ * K * NR;
             group_rows(x, wp, bias, y, m0, m1, N, K, g, next);
         }
