@@ -18,6 +18,7 @@ from torch import nn
 
 from cobatch.models.attention import AttentionMetadata, paged_attention
 from cobatch.models.fused_ops import FusedOps, fused_ops
+from cobatch.models.hugepages import move_to_huge_pages
 from cobatch.models.linear import can_pack, embedding, linear, pack_weight
 from cobatch.models.model_config import ModelConfig, RopeScaling
 from cobatch.models.native_decoder import NativeDecoder
@@ -163,7 +164,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_linear_weights(self) -> int:
         """Repack every projection and lm_head (with the embeddings it is tied to) for the native GEMM,
         in place, where `can_pack` allows; returns how many weights were packed. Packing is a
-        permutation: the model's memory stays the same. Then the layer loop moves to C where it can
+        permutation: the model's memory stays the same (moved onto huge pages when anything was
+        packed; the caller frees the old heap). Then the layer loop moves to C where it can
         (`native_decoder`; profiled steps keep the Python loop for its labelled parts)."""
         owners = [(layer, name) for layer in self.layers
                   for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] + [(self, "lm_head")]
@@ -173,6 +175,8 @@ class LlamaForCausalLM(nn.Module):
             if can_pack(param.data):
                 param.data = pack_weight(param.data)  # the same Parameter: a tied embedding follows
                 packed += 1
+        if packed:
+            move_to_huge_pages(list(self.parameters()))  # streamed every decode step (hugepages.py)
         self.native_decoder = NativeDecoder.build(self)
         return packed
 

@@ -6,7 +6,6 @@ prefill rows; see models/attention.py), final norm + lm_head on the sampled rows
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 
 from cobatch.config import EngineConfig
 from cobatch.models.attention import AttentionKernel, AttentionMetadata, PrefillSpan, make_tiles
+from cobatch.models.hugepages import huge_page_zeros
 from cobatch.models.llama import LlamaForCausalLM, scope
 from cobatch.models.loader import load_model, release_freed_heap, resolve_model_path
 from cobatch.models.model_config import ModelConfig
@@ -99,7 +99,7 @@ class ModelRunner:
         shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         # Zeros, not empty: masked-out slots must hold finite values (see models/attention.py).
         if device.type == "cpu" and self.device.type == "cpu":
-            return lazy_cpu_zeros(shape, self.dtype)
+            return huge_page_zeros(shape, self.dtype)  # lazily zero, on huge pages
         pin = device.type == "cpu"  # host swap pool of a GPU cache: pinned for fast copies
         return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
 
@@ -157,26 +157,6 @@ class ModelRunner:
         if swap_in:
             host, dev = _pair_indices(swap_in)
             self.kv_cache[:, :, dev.to(self.device)] = self.swap_cache[:, :, host].to(self.device)
-
-
-def lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros from an anonymous private mapping: the OS maps zero pages lazily, so a 4 GiB cache costs
-    nothing until used (torch.zeros would memset it all at once).
-
-    The mapping asks for transparent huge pages: a step's KV blocks are scattered over the pool, and on
-    4 KiB pages the TLB misses cost the attention kernel ~30% at batch 64 (21 vs 16 ms per decode step,
-    scripts/attention_microbench.py SHUFFLE=1 vs HUGE=1). Where THP is off the advice is ignored.
-    """
-    numel = 1
-    for n in shape:
-        numel *= n
-    if numel == 0:
-        return torch.zeros(shape, dtype=dtype)  # mmap cannot map 0 bytes
-    buf = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    # frombuffer keeps `buf` alive as long as the tensor (and its views) live.
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _pair_indices(pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
