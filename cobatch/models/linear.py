@@ -88,7 +88,7 @@ def block_columns(out_features: int) -> int:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> packed [N/C, K/2, C, 2] with C = block_columns(N): packed[b, kk, c, t] = weight[C b + c, 2 kk + t]."""
+    """[N, K] -> packed [N/C, K/2, C, 2], C = block_columns(N): packed[b, kk, c, t] = weight[C b + c, 2 kk + t]."""
     n, k = weight.shape
     c = block_columns(n)
     return weight.view(n // c, c, k // 2, 2).permute(0, 2, 1, 3).contiguous()
