@@ -30,8 +30,10 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)  # mmap cannot map 0 bytes
     pad = HUGE_PAGE_BYTES if nbytes >= HUGE_PAGE_BYTES else 0  # room to start on a 2 MiB boundary
     buf = mmap.mmap(-1, nbytes + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    try:
         buf.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no THP in this kernel (EINVAL) or no madvise here: plain pages
+        pass
     # frombuffer keeps `buf` alive as long as the tensor (and its views) live.
     raw = torch.frombuffer(buf, dtype=torch.uint8)
     start = (-raw.data_ptr()) % HUGE_PAGE_BYTES if pad else 0
