@@ -128,7 +128,7 @@ def test_rounds_like_torch(request: pytest.FixtureRequest) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("n", [304, 288])  # single panels; blocks of 3 (software prefetch from 20 rows on)
+@pytest.mark.parametrize("n", [304, 288])  # single panels; blocks of 3 (prefetch from 16 rows, L2 then L1)
 def test_rows_do_not_depend_on_the_batch(n: int) -> None:
     """Each output is one dot product in a fixed order, whatever M, the tiling or the thread count: a
     row's bits do not change with the batch it runs in (the engine's determinism relies on that)."""

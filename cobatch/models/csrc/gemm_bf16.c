@@ -43,13 +43,16 @@
 /* Prefetch of the next panel group (Zen4, scripts/linear_microbench.py, weights not in cache): into L1
  * (T0) beats L2 (T1) by 7% at M = 32 and is even at M = 1..8; none is 5-7% slower; 2 or 3 groups ahead
  * no better. With sequential groups (B = NZ) the hardware prefetcher does better alone below PF_MIN_M
- * rows (1.1-1.2x at M = 1..16) and the software prefetch still pays from 24 rows on (1.03-1.08x). -D to
- * retune. */
+ * rows (1.1-1.2x at M = 1..12); from there to PF_L1_MIN_M a prefetch into L2 pays (1.09x at M = 16,
+ * 1.33x at 20, where T0 was slower than none), and into L1 from 24 rows on (1.03-1.08x). -D to retune. */
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T0
 #endif
 #ifndef PF_MIN_M
-#define PF_MIN_M 20 /* with B = NZ: software prefetch from this many rows on */
+#define PF_MIN_M 16 /* with B = NZ: software prefetch from this many rows on, */
+#endif
+#ifndef PF_L1_MIN_M
+#define PF_L1_MIN_M 24 /* into L1 (PF_HINT) from this many on, into L2 below */
 #endif
 #ifndef PF_AHEAD
 #define PF_AHEAD 1 /* groups ahead (0: no software prefetch) */
@@ -80,6 +83,7 @@ INLINE uint32_t load_pair(const uint16_t *p) { /* x rows need not be 4-byte alig
 typedef struct {
     const uint16_t *next;
     int64_t phase, every;
+    int to_l2;  /* hint T1 (L2) instead of PF_HINT */
 } Prefetch;
 
 /* Where a group's K pair kk of panel z sits, in elements from the group's start: z * zstride + kk *
@@ -102,7 +106,11 @@ INLINE void tile(const uint16_t *x, int64_t K, const uint16_t *wp, Strides st,
         for (int z = 0; z < nz; z++) w[z] = (__m512bh)_mm512_loadu_si512(wp + z * st.zstride + kk * st.kstride);
         if (countdown-- == 0) {
 #pragma GCC unroll 3
-            for (int z = 0; z < nz; z++) _mm_prefetch((const char *)(pf.next + z * st.zstride + kk * st.kstride), PF_HINT);
+            for (int z = 0; z < nz; z++) {
+                const char *line = (const char *)(pf.next + z * st.zstride + kk * st.kstride);
+                if (pf.to_l2) _mm_prefetch(line, _MM_HINT_T1);
+                else _mm_prefetch(line, PF_HINT);
+            }
             countdown = pf.every - 1;
         }
 #pragma GCC unroll 8
@@ -136,9 +144,10 @@ static void tile_any(const uint16_t *x, int64_t K, const uint16_t *wp, Strides s
 static inline int64_t block_panels(int64_t N) { return (N / NR) % NZ == 0 ? NZ : 1; }
 
 /* Rows m0..m1 of x against panel group g (panels NZ g .. NZ g + nz), prefetching the group after it
- * (next: NULL at the end of this thread's run). Either layout puts group g at NZ g K NR elements. */
+ * (next: NULL at the end of this thread's run; into L2 with to_l2). Either layout puts group g at
+ * NZ g K NR elements. */
 static void group_rows(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y, int64_t M0,
-                       int64_t M1, int64_t N, int64_t K, int64_t g, const uint16_t *next) {
+                       int64_t M1, int64_t N, int64_t K, int64_t g, const uint16_t *next, int to_l2) {
     const int64_t panels = N / NR, p0 = g * NZ;
     const int nz = (int)(panels - p0 < NZ ? panels - p0 : NZ);
     const Strides st = block_panels(N) == NZ ? (Strides){2 * NR, 2 * NR * NZ} : (Strides){K * NR, 2 * NR};
@@ -146,7 +155,7 @@ static void group_rows(const uint16_t *x, const uint16_t *wp, const uint16_t *bi
     int64_t t = 0;
     for (int64_t m = M0; m < M1; m += MR, t++) {
         int mr = (int)(M1 - m < MR ? M1 - m : MR);
-        Prefetch pf = {next, t, tiles};
+        Prefetch pf = {next, t, tiles, to_l2};
         tile_any(x + m * K, K, wp + p0 * K * NR, st, bias != NULL ? bias + p0 * NR : NULL,
                  y + m * N + p0 * NR, N, mr, nz, pf);
     }
@@ -162,6 +171,7 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
     const int64_t groups = (N / NR + NZ - 1) / NZ, chunks = (M + MC - 1) / MC, tasks = groups * chunks;
     int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
     const int prefetch = PF_AHEAD > 0 && (block_panels(N) == 1 || M >= PF_MIN_M);
+    const int to_l2 = block_panels(N) == NZ && M < PF_L1_MIN_M;
     if (threads > tasks) threads = (int)tasks;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -174,7 +184,7 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
             const uint16_t *next = NULL;
             if (prefetch && c == chunks - 1 && task + PF_AHEAD < last && (g + PF_AHEAD) * NZ < N / NR)
                 next = (const uint16_t *)wp + (g + PF_AHEAD) * NZ * K * NR;
-            group_rows(x, wp, bias, y, m0, m1, N, K, g, next);
+            group_rows(x, wp, bias, y, m0, m1, N, K, g, next, to_l2);
         }
     }
     return 0;
