@@ -151,11 +151,12 @@ static void group_rows(const uint16_t *x, const uint16_t *wp, const uint16_t *bi
     const int64_t panels = N / NR, p0 = g * NZ;
     const int nz = (int)(panels - p0 < NZ ? panels - p0 : NZ);
     const Strides st = block_panels(N) == NZ ? (Strides){2 * NR, 2 * NR * NZ} : (Strides){K * NR, 2 * NR};
-    const int64_t tiles = (M1 - M0 + MR - 1) / MR;
+    /* The full tiles share the prefetch; a short last tile would issue its share in a burst. */
+    const int64_t full = (M1 - M0) / MR, sharing = full > 0 ? full : 1;
     int64_t t = 0;
     for (int64_t m = M0; m < M1; m += MR, t++) {
         int mr = (int)(M1 - m < MR ? M1 - m : MR);
-        Prefetch pf = {next, t, tiles, to_l2};
+        Prefetch pf = {t < sharing ? next : NULL, t, sharing, to_l2};
         tile_any(x + m * K, K, wp + p0 * K * NR, st, bias != NULL ? bias + p0 * NR : NULL,
                  y + m * N + p0 * NR, N, mr, nz, pf);
     }
