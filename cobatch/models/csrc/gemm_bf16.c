@@ -144,21 +144,28 @@ static void tile_any(const uint16_t *x, int64_t K, const uint16_t *wp, Strides s
 static inline int64_t block_panels(int64_t N) { return (N / NR) % NZ == 0 ? NZ : 1; }
 
 /* Rows m0..m1 of x against panel group g (panels NZ g .. NZ g + nz), prefetching the group after it
- * (next: NULL at the end of this thread's run; into L2 with to_l2). Either layout puts group g at
- * NZ g K NR elements. */
+ * (next: NULL at the end of this thread's run; into L2 with to_l2; spread_rest: this call prefetches).
+ * Either layout puts group g at NZ g K NR elements. */
 static void group_rows(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y, int64_t M0,
-                       int64_t M1, int64_t N, int64_t K, int64_t g, const uint16_t *next, int to_l2) {
+                       int64_t M1, int64_t N, int64_t K, int64_t g, const uint16_t *next, int to_l2,
+                       int spread_rest) {
     const int64_t panels = N / NR, p0 = g * NZ;
     const int nz = (int)(panels - p0 < NZ ? panels - p0 : NZ);
     const Strides st = block_panels(N) == NZ ? (Strides){2 * NR, 2 * NR * NZ} : (Strides){K * NR, 2 * NR};
-    /* The full tiles share the prefetch; a short last tile would issue its share in a burst. */
-    const int64_t full = (M1 - M0) / MR, sharing = full > 0 ? full : 1;
-    int64_t t = 0;
-    for (int64_t m = M0; m < M1; m += MR, t++) {
-        int mr = (int)(M1 - m < MR ? M1 - m : MR);
-        Prefetch pf = {t < sharing ? next : NULL, t, sharing, to_l2};
+    /* Tiles of MR rows and the rest, except that where the tiles share a prefetch a rest under MR / 2
+     * rows is spread over all of them (17 rows: 6 + 6 + 5, not 8 + 8 + 1): a short tile would issue its
+     * share in a burst (1.07x at 17 rows, 1.05x at 25, 1.04x at 33; without prefetch, 9 rows are 3%
+     * faster as 8 + 1, and a rest of 4 or more is as good as it is). A row's arithmetic does not depend
+     * on its tile's height. */
+    const int64_t rows = M1 - M0, tiles = (rows + MR - 1) / MR;
+    const int balance = spread_rest && rows % MR != 0 && rows % MR < MR / 2;
+    int64_t m = M0;
+    for (int64_t t = 0; t < tiles; t++) {
+        int mr = balance ? (int)(rows / tiles + (t < rows % tiles)) : (int)(M1 - m < MR ? M1 - m : MR);
+        Prefetch pf = {next, t, tiles, to_l2};
         tile_any(x + m * K, K, wp + p0 * K * NR, st, bias != NULL ? bias + p0 * NR : NULL,
                  y + m * N + p0 * NR, N, mr, nz, pf);
+        m += mr;
     }
 }
 
@@ -185,7 +192,7 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
             const uint16_t *next = NULL;
             if (prefetch && c == chunks - 1 && task + PF_AHEAD < last && (g + PF_AHEAD) * NZ < N / NR)
                 next = (const uint16_t *)wp + (g + PF_AHEAD) * NZ * K * NR;
-            group_rows(x, wp, bias, y, m0, m1, N, K, g, next, to_l2);
+            group_rows(x, wp, bias, y, m0, m1, N, K, g, next, to_l2, prefetch);
         }
     }
     return 0;
