@@ -93,7 +93,7 @@ typedef struct { int64_t zstride, kstride; } Strides;
 /* y[0..mr, 0..16 nz) = x[0..mr] . panels wp[0..nz) (+ bias). */
 INLINE void tile(const uint16_t *x, int64_t K, const uint16_t *wp, Strides st,
                  const uint16_t *bias, uint16_t *y, int64_t N, int mr, int nz, Prefetch pf) {
-    __m512 acc[MR * NZ];
+    __m512 acc[(MR + 1) * NZ];  /* up to MR + 1 rows: see group_rows */
 #pragma GCC unroll 8
     for (int m = 0; m < mr; m++)
 #pragma GCC unroll 3
@@ -135,7 +135,7 @@ INLINE void tile(const uint16_t *x, int64_t K, const uint16_t *wp, Strides st,
 static void tile_any(const uint16_t *x, int64_t K, const uint16_t *wp, Strides st, const uint16_t *bias,
                      uint16_t *y, int64_t N, int mr, int nz, Prefetch pf) {
     switch (mr * 4 + nz) {
-        CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6) CASES(7) CASES(8)
+        CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6) CASES(7) CASES(8) CASES(9)
         default: break;
     }
 }
@@ -154,14 +154,19 @@ static void group_rows(const uint16_t *x, const uint16_t *wp, const uint16_t *bi
     const Strides st = block_panels(N) == NZ ? (Strides){2 * NR, 2 * NR * NZ} : (Strides){K * NR, 2 * NR};
     /* Tiles of MR rows and the rest. A short tile would issue its share of the prefetch in a burst, so
      * where the tiles prefetch, a rest under MR / 2 rows is spread over all of them (17 rows: 6 + 6 + 5,
-     * 1.07x; 25: 1.04x) and a longer rest takes no share (28 rows: 8 + 8 + 8 + 4, 1.18x); without
-     * prefetch 8 + 1 is 3% faster than 5 + 4. A row's arithmetic does not depend on its tile's height. */
-    const int64_t rows = M1 - M0, tiles = (rows + MR - 1) / MR;
+     * 1.07x; 25: 1.04x) and a longer rest takes no share (28 rows: 8 + 8 + 8 + 4, 1.18x). Without
+     * prefetch a 1-row rest joins the first tile (9 rows: 27 accumulators, 31 registers in all), as a
+     * tile of its own it would wait on its 3 accumulator chains (M = 9: 1.06x; 5 + 4 was 3% slower than
+     * 8 + 1). A row's arithmetic does not depend on its tile's height. */
+    const int64_t rows = M1 - M0;
     const int balance = spread_rest && rows % MR != 0 && rows % MR < MR / 2;
-    const int64_t sharing = balance || rows < MR ? tiles : rows / MR;  /* the tiles that prefetch */
+    const int absorb = !balance && rows > MR && rows % MR == 1;
+    const int64_t tiles = absorb ? rows / MR : (rows + MR - 1) / MR;
+    const int64_t sharing = balance || absorb || rows < MR ? tiles : rows / MR;  /* the tiles that prefetch */
     int64_t m = M0;
     for (int64_t t = 0; t < tiles; t++) {
-        int mr = balance ? (int)(rows / tiles + (t < rows % tiles)) : (int)(M1 - m < MR ? M1 - m : MR);
+        int mr = balance ? (int)(rows / tiles + (t < rows % tiles))
+                         : absorb && t == 0 ? MR + 1 : (int)(M1 - m < MR ? M1 - m : MR);
         Prefetch pf = {t < sharing ? next : NULL, t, sharing, to_l2};
         tile_any(x + m * K, K, wp + p0 * K * NR, st, bias != NULL ? bias + p0 * NR : NULL,
                  y + m * N + p0 * NR, N, mr, nz, pf);
