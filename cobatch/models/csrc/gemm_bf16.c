@@ -17,7 +17,7 @@
  * weight lines and broadcasts MR pairs of x, then does MR * NZ dot products (8 x 3: 24 of them for 11
  * loads, no horizontal sums: each lane is one output). Rows are taken 8 at a time against a group of
  * NZ panels, so a group read from DRAM by the first tile is reused from L1/L2 by the others; while a
- * group computes, the group after it is prefetched (PF_HINT), spread over its tiles.
+ * group computes, the group after it is prefetched, spread over its tiles (group_rows says which).
  *
  * Work split: tasks are (panel group, chunk of MC rows), group-major, and each OpenMP thread takes one
  * contiguous run of them, so at decode sizes each thread streams one contiguous part of the weight.
@@ -49,10 +49,10 @@
 #define PF_HINT _MM_HINT_T0
 #endif
 #ifndef PF_MIN_M
-#define PF_MIN_M 16 /* with B = NZ: software prefetch from this many rows on, */
+#define PF_MIN_M 16 /* with B = NZ: software prefetch from this many rows on */
 #endif
 #ifndef PF_L1_MIN_M
-#define PF_L1_MIN_M 24 /* into L1 (PF_HINT) from this many on, into L2 below */
+#define PF_L1_MIN_M 24 /* with B = NZ: into L1 (PF_HINT) from this many rows on, into L2 below */
 #endif
 #ifndef PF_AHEAD
 #define PF_AHEAD 1 /* groups ahead (0: no software prefetch) */
