@@ -165,8 +165,10 @@ static void group_rows(const uint16_t *x, const uint16_t *wp, const uint16_t *bi
     const int64_t sharing = balance || absorb || rows < MR ? tiles : rows / MR;  /* the tiles that prefetch */
     int64_t m = M0;
     for (int64_t t = 0; t < tiles; t++) {
-        int mr = balance ? (int)(rows / tiles + (t < rows % tiles))
-                         : absorb && t == 0 ? MR + 1 : (int)(M1 - m < MR ? M1 - m : MR);
+        int mr;
+        if (balance) mr = (int)(rows / tiles + (t < rows % tiles));
+        else if (absorb && t == 0) mr = MR + 1;
+        else mr = (int)(M1 - m < MR ? M1 - m : MR);
         Prefetch pf = {t < sharing ? next : NULL, t, sharing, to_l2};
         tile_any(x + m * K, K, wp + p0 * K * NR, st, bias != NULL ? bias + p0 * NR : NULL,
                  y + m * N + p0 * NR, N, mr, nz, pf);
