@@ -53,10 +53,7 @@ enum { CHUNK = 16 };  /* keys per softmax step: one fp32 vector of scores on AVX
 enum { MAX_FAST_HEAD_DIM = 256 };
 /* Software prefetch of K/V one chunk ahead, into L2 (T1): measured at decode B=64 ctx 256, 2 threads,
  * T1 beat T0 (~16-19 vs ~22-25 ms per 30 layers; T0 evicts the chunk in use from L1) and farther
- * distances were no better. -D overrides are for such A/B builds. */
-#ifndef PREFETCH_CHUNKS
-#define PREFETCH_CHUNKS 1
-#endif
+ * distances were no better. -D override for such A/B builds. */
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT _MM_HINT_T1
 #endif
@@ -236,40 +233,68 @@ static Fast fast_scratch(const Attn *a, int64_t max_queries, char *buf) {
     return f;
 }
 
+/* Where the K and V rows of KV head 0 of keys c0 .. c0 + n - 1 start (head h's: + h row bytes): one
+ * division per chunk, and the keys of one block are consecutive rows (computing every key's slot
+ * from the block table took as long as the chunk's dot products, measured with perf, decode in cache). */
+static inline void key_rows(const Attn *a, const int64_t *table, int64_t c0, int n, int elem_bytes,
+                            const char *k[CHUNK], const char *v[CHUNK]) {
+    const int64_t key_bytes = (int64_t)a->num_kv_heads * a->head_dim * elem_bytes;
+    int64_t b = c0 / a->block_size, off = c0 % a->block_size;
+    for (int j = 0; j < n; b++, off = 0) {
+        const int64_t slot = table[b] * a->block_size + off;
+        const char *kb = (const char *)a->k_cache + slot * key_bytes, *vb = (const char *)a->v_cache + slot * key_bytes;
+        for (int i = 0, run = imin(n - j, a->block_size - off); i < run; i++, j++)
+            k[j] = kb + i * key_bytes, v[j] = vb + i * key_bytes;
+    }
+}
+
 /* Software prefetch of a later chunk's K and V, a few lines at each step of the compute. Blocks sit
  * anywhere in the pool and each KV head reads only its slice of a token, so the hardware prefetcher
  * cannot run ahead; and a burst of prefetches would wait for free miss buffers and stall the core as
- * demand loads do, so they are spread over the chunk's arithmetic instead. */
+ * demand loads do, so they are spread over the chunk's arithmetic instead. The rows are merged into
+ * contiguous ranges (a decode row's chunk is two: its block's K and V for all heads). */
 typedef struct {
-    const char *rows[2 * CHUNK];  /* start of each key's K piece, then of each V piece */
-    int num_rows, lines_per_row, per_step;  /* lines per call of prefetch_step */
-    int row, line;                /* cursor */
+    const char *start[2 * CHUNK], *end[2 * CHUNK];  /* line-aligned ranges, K rows then V rows */
+    int num_ranges, per_step;                       /* lines per call of prefetch_step */
+    int range;                                      /* cursor: range and line */
+    const char *at;
 } Prefetch;
 
 static inline void prefetch_step(Prefetch *p) {
-    for (int k = 0; k < p->per_step && p->row < p->num_rows; k++) {
-        _mm_prefetch(p->rows[p->row] + 64 * p->line, PREFETCH_HINT);
-        if (++p->line == p->lines_per_row) p->line = 0, p->row++;
+    for (int k = 0; k < p->per_step && p->range < p->num_ranges; k++) {
+        _mm_prefetch(p->at, PREFETCH_HINT);
+        p->at += 64;
+        if (p->at >= p->end[p->range] && ++p->range < p->num_ranges) p->at = p->start[p->range];
     }
 }
 
-/* Aim at keys c0 .. c0 + n - 1, KV heads h0 .. h1-1 (contiguous within a key), spread over `steps`. */
-static inline void prefetch_start(Prefetch *p, const Attn *a, const int64_t *table, int64_t c0, int n,
-                                  int h0, int h1, int steps, int elem_bytes) {
-    int64_t rows[CHUNK] = {0}, row_bytes = (int64_t)a->head_dim * elem_bytes;
-    chunk_rows(a, table, c0, n, h0, rows);
-    for (int j = 0; j < n; j++) {
-        p->rows[j] = (const char *)a->k_cache + rows[j] * row_bytes;
-        p->rows[n + j] = (const char *)a->v_cache + rows[j] * row_bytes;
+/* Append [start, start + bytes), extending the last range when it continues it. */
+static inline void add_range(Prefetch *p, const char *start, int64_t bytes) {
+    const char *line = (const char *)((uintptr_t)start & ~(uintptr_t)63);
+    const int last = p->num_ranges - 1;
+    if (last >= 0 && line >= p->start[last] && line <= p->end[last]) {
+        p->end[p->num_ranges - 1] = start + bytes;
+        return;
     }
-    p->num_rows = 2 * n;
-    p->lines_per_row = (int)(((h1 - h0) * row_bytes + 63) / 64);
-    p->per_step = (p->num_rows * p->lines_per_row + steps - 1) / (steps > 0 ? steps : 1);
-    p->row = p->line = 0;
+    p->start[p->num_ranges] = line, p->end[p->num_ranges++] = start + bytes;
+}
+
+/* Aim at the n keys whose head-0 rows are k, v; KV heads h0 .. h1-1 (contiguous within a key), spread
+ * over `steps` calls. */
+static inline void prefetch_start(Prefetch *p, const Attn *a, const char *const k[CHUNK], const char *const v[CHUNK],
+                                  int n, int h0, int h1, int steps, int elem_bytes) {
+    const int64_t row_bytes = (int64_t)a->head_dim * elem_bytes, bytes = (h1 - h0) * row_bytes;
+    int64_t lines = 0;
+    p->num_ranges = 0;
+    for (int j = 0; j < n; j++) add_range(p, k[j] + h0 * row_bytes, bytes);
+    for (int j = 0; j < n; j++) add_range(p, v[j] + h0 * row_bytes, bytes);
+    for (int r = 0; r < p->num_ranges; r++) lines += (p->end[r] - p->start[r] + 63) / 64;
+    p->per_step = (int)((lines + steps - 1) / (steps > 0 ? steps : 1));
+    p->range = 0, p->at = p->start[0];
 }
 
 static inline void prefetch_rest(Prefetch *p) {
-    p->per_step = p->num_rows * p->lines_per_row;
+    p->per_step = 1 << 30;
     prefetch_step(p);
 }
 
@@ -493,14 +518,13 @@ static inline __attribute__((always_inline)) void store_row(const float *acc, fl
         _mm512_storeu_ps((float *)out + d0, _mm512_mul_ps(_mm512_load_ps(acc + d0), s));
 }
 
-/* Rows of the chunk's keys for KV head h; lanes past the context read zeros. */
-static inline void chunk_pointers(const Attn *a, const int64_t *table, int64_t c0, int n, int h,
-                                  int elem_bytes, const void *krows[CHUNK], const void *vrows[CHUNK]) {
-    int64_t rows[CHUNK], row_bytes = (int64_t)a->head_dim * elem_bytes;
-    chunk_rows(a, table, c0, n, h, rows);
+/* Rows of the chunk's n keys for KV head h (k, v: head 0's, see key_rows); lanes past the context read
+ * zeros. */
+static inline void chunk_pointers(const char *const k[CHUNK], const char *const v[CHUNK], int n, int64_t offset,
+                                  const void *krows[CHUNK], const void *vrows[CHUNK]) {
     for (int j = 0; j < CHUNK; j++) {
-        krows[j] = j < n ? (const char *)a->k_cache + rows[j] * row_bytes : (const void *)ZERO_ROW;
-        vrows[j] = j < n ? (const char *)a->v_cache + rows[j] * row_bytes : (const void *)ZERO_ROW;
+        krows[j] = j < n ? (const void *)(k[j] + offset) : (const void *)ZERO_ROW;
+        vrows[j] = j < n ? (const void *)(v[j] + offset) : (const void *)ZERO_ROW;
     }
 }
 
@@ -532,20 +556,26 @@ static inline __attribute__((always_inline)) void fast_item(const Attn *a, const
     memset(f->acc, 0, sizeof(float) * nq * hd);
     memset(f->lsum, 0, sizeof(float) * nq * CHUNK);
     for (int m = 0; m < nq; m++) f->mx[m] = -INFINITY;
+    /* head-0 rows of this chunk's keys and of the next one's (prefetched meanwhile) */
+    const char *rows[2][2][CHUNK];
+    int cur = 0;
     Prefetch pf;
-    prefetch_start(&pf, a, table, 0, imin(CHUNK, last), h0, h1, 1, elem_bytes);
+    key_rows(a, table, 0, imin(CHUNK, last), elem_bytes, rows[cur][0], rows[cur][1]);
+    prefetch_start(&pf, a, rows[cur][0], rows[cur][1], imin(CHUNK, last), h0, h1, 1, elem_bytes);
     prefetch_rest(&pf);  /* the first chunk: nothing to hide it behind */
-    for (int64_t c0 = 0; c0 < last; c0 += CHUNK) {
+    for (int64_t c0 = 0; c0 < last; c0 += CHUNK, cur ^= 1) {
         int n = imin(CHUNK, last - c0);
         int first_token = c0 >= t->context ? (int)(c0 - t->context + 1) : 0;  /* causal */
-        int64_t ahead = c0 + PREFETCH_CHUNKS * CHUNK;
-        pf.num_rows = 0;
-        if (ahead < last)
-            prefetch_start(&pf, a, table, ahead, imin(CHUNK, last - ahead), h0, h1,
+        pf.num_ranges = 0;
+        if (c0 + CHUNK < last) {
+            int next = imin(CHUNK, last - c0 - CHUNK);
+            key_rows(a, table, c0 + CHUNK, next, elem_bytes, rows[cur ^ 1][0], rows[cur ^ 1][1]);
+            prefetch_start(&pf, a, rows[cur ^ 1][0], rows[cur ^ 1][1], next, h0, h1,
                            (h1 - h0) * (((nt - first_token) * group + 3) / 4) * block_steps, elem_bytes);
+        }
         for (int h = h0; h < h1; h++) {
             const void *krows[CHUNK], *vrows[CHUNK];
-            chunk_pointers(a, table, c0, n, h, elem_bytes, krows, vrows);
+            chunk_pointers(rows[cur][0], rows[cur][1], n, (int64_t)h * hd * elem_bytes, krows, vrows);
             stage_keys(krows, columns, f->kb);
             if (bf16) stage_values(vrows, hd, f->vi);
             Chunk ch = {f->kb, f->vi, vrows};
