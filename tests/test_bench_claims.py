@@ -1,4 +1,5 @@
-"""The claims report keeps hand-written text around its generated block; the bench CLI parses."""
+"""The claims report keeps hand-written text around its generated block; the bench CLI parses; bench
+results are written as JSON."""
 
 from __future__ import annotations
 
@@ -34,3 +35,18 @@ def test_every_bench_command_parses() -> None:
     assert args.tpot_slo_ms == 50.0
     for command in ("timeline", "claims", "peers"):
         assert parser.parse_args([command]).bench_command == command
+
+
+def test_offline_writes_its_result_json(tmp_path) -> None:
+    """`bench offline --output-json` (a real run on the default model, tiny workload): the file holds the
+    options it ran with and the run's figures."""
+    import json
+
+    from cobatch.cli import main
+
+    path = tmp_path / "offline.json"
+    assert main(["bench", "offline", "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
+                 "--dtype", "float32", "--output-json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["config"]["num_prompts"] == 2 and "func" not in data["config"]
+    assert data["result"]["num_requests"] == 2 and data["result"]["num_output_tokens"] == 6

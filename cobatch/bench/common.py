@@ -62,6 +62,11 @@ def workload_from_args(args: argparse.Namespace, as_text: bool = False) -> list[
     return synthesize(spec, as_text=as_text)
 
 
+def settings(args: argparse.Namespace) -> dict[str, object]:
+    """The command line's options for a result file: the subcommand's handler (`func`) left out."""
+    return {name: value for name, value in vars(args).items() if not callable(value)}
+
+
 def write_json(path: str | Path, data: object) -> Path:
     """Pretty JSON; NaN written as null so every JSON reader accepts it."""
     path = Path(path)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from cobatch.bench import timeline
 from cobatch.bench.common import (add_engine_arguments, add_workload_arguments, engine_config_from_args,
-                                  workload_from_args, write_json)
+                                  settings, workload_from_args, write_json)
 from cobatch.bench.datasets import BenchRequest, output_length_cv
 from cobatch.bench.runs import EngineFactory, RunResult, run_workload, warm_up
 
@@ -142,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
             print_memory(factory, result)
         last, report = (result,), result.summary()
     if args.output_json:
-        print(f"wrote {write_json(args.output_json, {'config': vars(args), 'result': report})}")
+        print(f"wrote {write_json(args.output_json, {'config': settings(args), 'result': report})}")
     if args.plot:
         print(f"wrote {timeline.plot_timeline(list(last), args.plot)}")
     return 0
