@@ -105,18 +105,21 @@ def peak_rss_bytes() -> int:
 
 
 def print_memory(factory: EngineFactory, result: RunResult) -> None:
-    """Model bytes, KV bytes per token (from the model shape), the KV the run touched, and peak RSS."""
+    """Model bytes, KV bytes per token (from the model shape), the KV pool (resident: warm_up prefaults
+    it, as the server does), the part of it the run used, and peak RSS."""
     runner = factory.runner
     model_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())  # type: ignore[attr-defined]
     kv_per_token = runner.kv_bytes_per_token  # type: ignore[attr-defined]
     block_size = factory.config.block_size
     peak_blocks = max((s.num_kv_blocks_used for s in result.stats), default=0)
     kv_peak = peak_blocks * block_size * kv_per_token
+    kv_pool = runner.num_kv_blocks * block_size * kv_per_token  # type: ignore[attr-defined]
     mib = 1 << 20
     print(f"memory: model {model_bytes / mib:.0f} MiB, KV {kv_per_token} B/token "
-          f"({kv_per_token * block_size / 1024:.0f} KiB/block), peak KV in use {peak_blocks} blocks = "
-          f"{kv_peak / mib:.0f} MiB, peak RSS (VmHWM) {peak_rss_bytes() / mib:.0f} MiB "
-          f"= model + peak KV + {(peak_rss_bytes() - model_bytes - kv_peak) / mib:.0f} MiB")
+          f"({kv_per_token * block_size / 1024:.0f} KiB/block), KV pool {runner.num_kv_blocks} blocks = "  # type: ignore[attr-defined]
+          f"{kv_pool / mib:.0f} MiB (peak in use {peak_blocks} blocks = {kv_peak / mib:.0f} MiB), "
+          f"peak RSS (VmHWM) {peak_rss_bytes() / mib:.0f} MiB "
+          f"= model + KV pool + {(peak_rss_bytes() - model_bytes - kv_pool) / mib:.0f} MiB")
 
 
 def main(args: argparse.Namespace) -> int:
