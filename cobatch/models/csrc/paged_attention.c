@@ -256,7 +256,7 @@ static inline void key_rows(const Attn *a, const int64_t *table, int64_t c0, int
 typedef struct {
     const char *start[2 * CHUNK], *end[2 * CHUNK];  /* line-aligned ranges, K rows then V rows */
     int num_ranges, per_step;                       /* lines per call of prefetch_step */
-    int range;                                      /* cursor: range and line */
+    int range;                                      /* cursor: the range and the line in it */
     const char *at;
 } Prefetch;
 
@@ -273,7 +273,7 @@ static inline void add_range(Prefetch *p, const char *start, int64_t bytes) {
     const char *line = (const char *)((uintptr_t)start & ~(uintptr_t)63);
     const int last = p->num_ranges - 1;
     if (last >= 0 && line >= p->start[last] && line <= p->end[last]) {
-        p->end[p->num_ranges - 1] = start + bytes;
+        if (start + bytes > p->end[last]) p->end[last] = start + bytes;
         return;
     }
     p->start[p->num_ranges] = line, p->end[p->num_ranges++] = start + bytes;
