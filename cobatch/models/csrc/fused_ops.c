@@ -64,16 +64,19 @@ static inline float exp_vec(float x) {
 /* ------------------------------------------------------------------ AVX-512 rows of bf16 values
  * The same steps as the row bodies below, 16 values per vector. Why: with -std=c11 the compiler may
  * not contract a * b + c into one fused multiply-add, and its vectorised bf16 conversions cost more
- * than the arithmetic. Measured (2 threads, direct C calls, outputs preallocated, alternating builds): at 2040
- * rows SiLU-multiply 1.58 -> 1.05 ms, add + RMSNorm 0.42 -> 0.22 ms, RoPE 0.38 -> 0.18 ms; a 12 x 170
- * prefill step 1146 -> 1111 ms. Products and sums round where the scalar code rounds; the exponential
- * uses fused multiply-adds, so it can differ from exp_vec in the last bit, and a result from the
- * scalar path by one ulp of bf16 when that bit decides a tie (tests/test_fused_ops.py allows that). */
+ * than the arithmetic. Measured at 2040 rows, 2 threads (direct C calls, outputs preallocated,
+ * alternating builds): SiLU-multiply 1.58 -> 1.05 ms, add + RMSNorm 0.42 -> 0.22 ms, RoPE 0.38 ->
+ * 0.18 ms; a 12 x 170 prefill step 1146 -> 1111 ms. Products and sums round where the scalar code
+ * rounds; the exponential uses fused multiply-adds, so it can differ from exp_vec in the last bit, and
+ * a result from the scalar path by one ulp of bf16 when that bit decides a tie (tests/test_fused_ops.py
+ * allows that). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
 
-static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
 
 static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
@@ -84,7 +87,9 @@ static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
  * get there, and keeping them (a class test and a fallback per vector) cost a third of SiLU's speed. */
 static inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
-static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(v)); }
+static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, to_bf16(v));
+}
 
 /* round_to for bf16: the value the stored bf16 would read back as. */
 static inline __m512 round_bf16(__m512 v) {
@@ -108,8 +113,8 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(p, k);
 }
 
-static void add_rms_norm_row_avx512(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out,
-                                    int64_t hidden, float eps) {
+static void add_rms_norm_row_avx512(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
+                                    uint16_t *out, int64_t hidden, float eps) {
     __m512 sum_sq = _mm512_setzero_ps();
     for (int64_t i = 0; i < hidden; i += 16) {
         __mmask16 m = tail_mask(hidden - i);

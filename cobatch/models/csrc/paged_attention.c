@@ -242,7 +242,8 @@ static inline void key_rows(const Attn *a, const int64_t *table, int64_t c0, int
     int64_t b = c0 / a->block_size, off = c0 % a->block_size;
     for (int j = 0; j < n; b++, off = 0) {
         const int64_t slot = table[b] * a->block_size + off;
-        const char *kb = (const char *)a->k_cache + slot * key_bytes, *vb = (const char *)a->v_cache + slot * key_bytes;
+        const char *kb = (const char *)a->k_cache + slot * key_bytes;
+        const char *vb = (const char *)a->v_cache + slot * key_bytes;
         for (int i = 0, run = imin(n - j, a->block_size - off); i < run; i++, j++)
             k[j] = kb + i * key_bytes, v[j] = vb + i * key_bytes;
     }
@@ -281,8 +282,8 @@ static inline void add_range(Prefetch *p, const char *start, int64_t bytes) {
 
 /* Aim at the n keys whose head-0 rows are k, v; KV heads h0 .. h1-1 (contiguous within a key), spread
  * over `steps` calls. */
-static inline void prefetch_start(Prefetch *p, const Attn *a, const char *const k[CHUNK], const char *const v[CHUNK],
-                                  int n, int h0, int h1, int steps, int elem_bytes) {
+static inline void prefetch_start(Prefetch *p, const Attn *a, const char *const k[CHUNK],
+                                  const char *const v[CHUNK], int n, int h0, int h1, int steps, int elem_bytes) {
     const int64_t row_bytes = (int64_t)a->head_dim * elem_bytes, bytes = (h1 - h0) * row_bytes;
     int64_t lines = 0;
     p->num_ranges = 0;
