@@ -37,11 +37,13 @@ def _check(native: torch.Tensor, eager: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("with_x", [True, False])
-def test_add_rms_norm(dtype: torch.dtype, rows: int, with_x: bool, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("hidden", [96, 100])  # 100: the vector rows' masked tail
+def test_add_rms_norm(dtype: torch.dtype, rows: int, with_x: bool, hidden: int,
+                      request: pytest.FixtureRequest) -> None:
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 96, generator=g).to(dtype) if with_x else None
-    residual = (3 * torch.randn(rows, 96, generator=g)).to(dtype)
-    weight = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(rows, hidden, generator=g).to(dtype) if with_x else None
+    residual = (3 * torch.randn(rows, hidden, generator=g)).to(dtype)
+    weight = torch.randn(hidden, generator=g).to(dtype)
     res_native, res_eager = residual.clone(), residual.clone()
     out_eager = EAGER.add_rms_norm(x, res_eager, weight, 1e-5)
     request.getfixturevalue("no_fallback")
@@ -52,15 +54,16 @@ def test_add_rms_norm(dtype: torch.dtype, rows: int, with_x: bool, request: pyte
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 200])
-def test_silu_mul(dtype: torch.dtype, rows: int, request: pytest.FixtureRequest) -> None:
-    gate_up = (4 * torch.randn(rows, 2 * 160, generator=torch.Generator().manual_seed(rows))).to(dtype)
+@pytest.mark.parametrize("inter", [160, 150])  # 150: the vector rows' masked tail
+def test_silu_mul(dtype: torch.dtype, rows: int, inter: int, request: pytest.FixtureRequest) -> None:
+    gate_up = (4 * torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows))).to(dtype)
     eager = EAGER.silu_mul(gate_up)
     request.getfixturevalue("no_fallback")
     _check(NATIVE.silu_mul(gate_up), eager)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize("head_dim", [64, 32, 48])  # 48: not a whole vector per half (scalar rows)
 def test_rope_in_place_on_q_and_k_only(dtype: torch.dtype, head_dim: int, request: pytest.FixtureRequest) -> None:
     config = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_scaling=None)
     cos, sin = rope_tables(config, 64, dtype, "cpu")  # type: ignore[arg-type]
