@@ -70,10 +70,11 @@ static inline float exp_vec(float x) {
  * rounds; the exponential uses fused multiply-adds, so it can differ from exp_vec in the last bit, and
  * a result from the scalar path by one ulp of bf16 when that bit decides a tie (tests/test_fused_ops.py
  * allows that). */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#define HAVE_AVX512 1
+#define HAVE_AVX512 1  /* 16-lane rows: these two helpers (and greedy's argmax, below) */
 
+/* The lanes of the last, partial vector of a row with `left` values to go. */
 static inline __mmask16 tail_mask(int64_t left) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
@@ -81,6 +82,12 @@ static inline __mmask16 tail_mask(int64_t left) {
 static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
+#else
+#define HAVE_AVX512 0
+#endif
+
+#if HAVE_AVX512 && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define HAVE_AVX512_BF16_ROWS 1
 
 /* fp32 -> bf16 in one instruction: nearest even, NaN kept a quiet NaN, as f32_to_bf16 -- except that
  * vcvtneps2bf16 flushes denormals (|x| < 1.2e-38) to zero where torch keeps them. Activations never
@@ -155,7 +162,7 @@ static void rotate_head_avx512(uint16_t *lo, uint16_t *hi, const uint16_t *c, co
     }
 }
 #else
-#define HAVE_AVX512 0
+#define HAVE_AVX512_BF16_ROWS 0
 #endif
 
 /* Each op is an always-inlined row body with is_bf16 as a parameter; the exported entry point runs its
@@ -198,7 +205,7 @@ SPECIALISE void add_rms_norm_row(const void *restrict x, void *restrict residual
 /* All [rows, hidden], weight [hidden]; x may be NULL: plain RMSNorm of residual. */
 void add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t hidden,
                   float eps, int is_bf16) {
-#if HAVE_AVX512
+#if HAVE_AVX512_BF16_ROWS
     if (is_bf16) {
         PARALLEL_ROWS(rows, rows * hidden)
             add_rms_norm_row_avx512(x != NULL ? (const uint16_t *)x + r * hidden : NULL,
@@ -223,7 +230,7 @@ SPECIALISE void silu_mul_row(const void *restrict gate_up, void *restrict out, i
 }
 
 void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int is_bf16) {
-#if HAVE_AVX512
+#if HAVE_AVX512_BF16_ROWS
     if (is_bf16) {
         PARALLEL_ROWS(rows, rows * inter) {
             const uint16_t *gate = (const uint16_t *)gate_up + r * 2 * inter;
@@ -273,7 +280,7 @@ SPECIALISE void rope_row(void *restrict x, const void *restrict cos_table, const
  * out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin, each product and sum rounded like torch's ops. */
 void rope_inplace(void *x, const void *cos_table, const void *sin_table, const int64_t *positions,
                   int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim, int is_bf16) {
-#if HAVE_AVX512
+#if HAVE_AVX512_BF16_ROWS
     if (is_bf16 && head_dim % 32 == 0) {
         const int64_t half = head_dim / 2;
         PARALLEL_ROWS(rows, rows * num_heads * head_dim) {
@@ -295,13 +302,9 @@ void rope_inplace(void *x, const void *cos_table, const void *sin_table, const i
  * torch.max gives) and the first index holding it (-1 when no value beats -inf). One pass: each of 16
  * lanes keeps its running max and where it first reached it; the row's answer is the smallest index
  * among the lanes that hold the row's max. */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#if HAVE_AVX512
 static inline __m512 load16(const void *x, int64_t i, int is_bf16, __mmask16 m) {
-    if (is_bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-            _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + i)), 16));
-    return _mm512_maskz_loadu_ps(m, (const float *)x + i);
+    return is_bf16 ? load_bf16((const uint16_t *)x + i, m) : _mm512_maskz_loadu_ps(m, (const float *)x + i);
 }
 
 SPECIALISE void argmax_row(const void *x, int64_t r, int64_t cols, int is_bf16, int64_t *index, float *best) {
@@ -310,7 +313,7 @@ SPECIALISE void argmax_row(const void *x, int64_t r, int64_t cols, int is_bf16, 
     __mmask16 nan = 0;
     const int64_t base = r * cols;
     for (int64_t i = 0; i < cols; i += 16) {  /* indices fit int32: cols < 2^31 (checked by the caller) */
-        __mmask16 valid = cols - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - i)) - 1);
+        __mmask16 valid = tail_mask(cols - i);
         __m512 v = load16(x, base + i, is_bf16, valid);
         nan |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
         __mmask16 gt = _mm512_mask_cmp_ps_mask(valid, v, mx, _CMP_GT_OQ);
