@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from cobatch.models import linear as linear_module
-from cobatch.models.linear import (PackedGemm, can_pack, embedding, is_packed, linear, native_gemm, pack_weight,
-                                   packed_shape, unpack_weight)
+from cobatch.models.fused_ops import fused_ops
+from cobatch.models.linear import (PackedGemm, can_pack, can_pack_gate_up, embedding, is_gate_up_packed, is_packed,
+                                   linear, native_gemm, pack_gate_up, pack_weight, packed_shape, silu_mul_linear,
+                                   unpack_weight)
 
 KERNEL = native_gemm()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no AVX512-BF16 or no compiler here")
@@ -169,6 +171,53 @@ def test_packed_rejects_bad_operands(case: str) -> None:
         b = b.float()
     with pytest.raises(ValueError):
         _packed_linear(x, w, b)
+
+
+def test_gate_up_layout_and_round_trip() -> None:
+    """Gate block j (48 columns) then up block j, each laid out as pack_weight lays out 48 columns."""
+    inter, k = 96, 10
+    w = torch.arange(2 * inter * k, dtype=torch.float32).view(2 * inter, k).bfloat16()
+    packed = pack_gate_up(w)
+    assert packed.shape == (2, 2, 5, 48, 2) and is_gate_up_packed(packed) and not is_packed(packed)
+    for j, half in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        assert torch.equal(packed[j, half], pack_weight(w[half * inter + 48 * j:half * inter + 48 * (j + 1)])[0])
+    assert torch.equal(unpack_weight(packed), w) and packed_shape(packed) == (2 * inter, k)
+
+
+@pytest.mark.parametrize("shape,dtype,ok", [((192, 64), torch.bfloat16, True), ((96, 64), torch.bfloat16, True),
+                                            ((128, 64), torch.bfloat16, False), ((192, 63), torch.bfloat16, False),
+                                            ((192, 64), torch.float32, False)])
+def test_can_pack_gate_up(shape: tuple[int, int], dtype: torch.dtype, ok: bool) -> None:
+    """Whole 48-column blocks of gate and of up (2 x 64 columns are not), and the packed kernel's dtype."""
+    assert can_pack_gate_up(torch.zeros(shape, dtype=dtype)) == (ok and KERNEL is not None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("inter,k", [(48, 64), (96, 34), (144, 576), (1536, 576)])
+def test_gate_up_silu_same_bits_as_linear_then_silu_mul(inter: int, k: int) -> None:
+    """The fused kernel rounds each gate/up product as the GEMM does and applies silu_mul's own code, so
+    its bits are those of the two-step path for every tile height, the prefetch thresholds (16, 24 rows),
+    row chunks of 256, and thread counts; a NaN input row stays NaN."""
+    ops = fused_ops()
+    for m in (1, 5, 8, 9, 17, 24, 300):
+        x, w, _ = _operands(m, 2 * inter, k, False, seed=7 * m + inter + k)
+        if m == 9:
+            x[4, 1] = float("nan")
+        expected = ops.silu_mul(linear(x, pack_weight(w)))
+        got = silu_mul_linear(x, pack_gate_up(w))
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))  # NaNs included
+        if m == 9:
+            assert got[4].isnan().all() and got[:4].isfinite().all()
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(silu_mul_linear(x, pack_gate_up(w)), expected)
+    finally:
+        torch.set_num_threads(threads)
+    assert silu_mul_linear(x.view(5, 60, k), pack_gate_up(w)).shape == (5, 60, inter)
+    with pytest.raises(ValueError):
+        silu_mul_linear(x.float(), pack_gate_up(w))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

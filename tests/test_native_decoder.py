@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cobatch.models.linear import native_gemm
+from cobatch.models import llama as llama_module
+from cobatch.models.linear import is_gate_up_packed, is_packed, native_gemm
 from cobatch.models.loader import build_model
 from cobatch.models.model_config import ModelConfig
 from cobatch.models.native_decoder import NativeDecoder
@@ -61,6 +62,7 @@ def _forward(runner: ModelRunner, out: SchedulerOutput, native: bool,
     ("qwen2", {}),  # q/k/v biases
     ("llama", {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1}),  # hd 64: AVX-512
     ("llama", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4}),  # hd 32, no GQA
+    ("llama", {"intermediate_size": 96}),  # gate/up packed: SiLU-multiply fused into the GEMM
 ])
 def test_same_bits_as_the_python_layer_loop(arch: str, overrides: dict) -> None:
     runner = _runner(arch, **overrides)
@@ -72,6 +74,23 @@ def test_same_bits_as_the_python_layer_loop(arch: str, overrides: dict) -> None:
     assert torch.equal(hidden, ref_hidden)
     assert torch.equal(cache, ref_cache)  # the new tokens' K/V landed in the same slots
     assert not torch.equal(cache, runner.kv_cache)  # ... and there were some to write
+
+
+@needs_kernels
+def test_fused_gate_up_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MLP whose gate/up weight is gate/up packed (its activation inside the GEMM) computes what the
+    plain packed GEMM followed by silu_mul does, in both loops, bit for bit."""
+    fused = _runner("llama", intermediate_size=96)
+    monkeypatch.setattr(llama_module, "can_pack_gate_up", lambda weight: False)
+    plain = _runner("llama", intermediate_size=96)
+    assert is_gate_up_packed(fused.model.layers[0].gate_up_proj)
+    assert is_packed(plain.model.layers[0].gate_up_proj)
+    out = _mixed_step(fused)
+    _mixed_step(plain)  # the same steps before: the same cache
+    for native in (True, False):
+        hidden, cache = _forward(fused, out, native)
+        ref_hidden, ref_cache = _forward(plain, out, native)
+        assert torch.equal(hidden, ref_hidden) and torch.equal(cache, ref_cache)
 
 
 @needs_kernels

@@ -100,13 +100,15 @@ def measure_machine(model: object, reps: int = 10, m: int = 1024, bandwidth_byte
     import torch.nn.functional as F
 
     from cobatch.models.hugepages import huge_page_zeros
-    from cobatch.models.linear import is_packed, linear, packed_shape, unpack_weight
+    from cobatch.models.linear import is_gate_up_packed, is_packed, linear, packed_shape, unpack_weight
 
     peak = 0.0
     seen: set[tuple[int, int]] = set()
     for weight in model.parameters():  # type: ignore[attr-defined]
         if weight.dim() < 2:
             continue
+        if is_gate_up_packed(weight):  # the GEMM alone, without the fused activation: its packed layout
+            weight = weight.flatten(0, 1)  # is pack_weight's of the gate/up rows interleaved in blocks
         n, k = packed_shape(weight) if is_packed(weight) else tuple(weight.shape)
         if n > 8192 or (n, k) in seen:  # lm_head / embeddings: too big for cache, not a peak probe
             continue
@@ -115,7 +117,8 @@ def measure_machine(model: object, reps: int = 10, m: int = 1024, bandwidth_byte
         plain = unpack_weight(weight) if is_packed(weight) else weight  # a contiguous copy
         peak = max(peak, _best_rate(2.0 * m * n * k, lambda: F.linear(x, plain), reps))
         if is_packed(weight):
-            peak = max(peak, _best_rate(2.0 * m * n * k, lambda: linear(x, weight), reps))
+            packed = weight
+            peak = max(peak, _best_rate(2.0 * m * n * k, lambda: linear(x, packed), reps))
     # On huge pages, as the engine keeps its weights and KV pool: the sum reads faster there (1.1-1.4x in
     # same-process comparisons here), and the roofline must not flatter the engine with a slow figure.
     big = huge_page_zeros((bandwidth_bytes // 4,), torch.float32).fill_(1.0)

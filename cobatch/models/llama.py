@@ -19,7 +19,8 @@ from torch import nn
 from cobatch.models.attention import AttentionMetadata, paged_attention
 from cobatch.models.fused_ops import FusedOps, fused_ops
 from cobatch.models.hugepages import move_to_huge_pages
-from cobatch.models.linear import can_pack, embedding, linear, pack_weight
+from cobatch.models.linear import (can_pack, can_pack_gate_up, embedding, is_gate_up_packed, linear, pack_gate_up,
+                                   pack_weight, silu_mul_linear)
 from cobatch.models.model_config import ModelConfig, RopeScaling
 from cobatch.models.native_decoder import NativeDecoder
 
@@ -110,7 +111,14 @@ class DecoderLayer(nn.Module):
         with scope("norm", profile):
             h = ops.add_rms_norm(attn, residual, self.post_attention_norm, self.eps)
         with scope("mlp", profile):
-            return linear(ops.silu_mul(linear(h, self.gate_up_proj)), self.down_proj), residual
+            return linear(self.gate_up_silu(h, ops), self.down_proj), residual
+
+    def gate_up_silu(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
+        """silu(gate) * up: [T, H] -> [T, I]; one fused kernel where the weight is gate/up packed (then
+        whatever `ops` is, since the activation runs inside the GEMM)."""
+        if is_gate_up_packed(self.gate_up_proj):
+            return silu_mul_linear(x, self.gate_up_proj)
+        return ops.silu_mul(linear(x, self.gate_up_proj))
 
     def qkv_rope(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,13 +174,17 @@ class LlamaForCausalLM(nn.Module):
         in place, where `can_pack` allows; returns how many weights were packed. Packing is a
         permutation: the model's memory stays the same (moved onto huge pages when anything was
         packed; the caller frees the old heap). Then the layer loop moves to C where it can
-        (`native_decoder`; profiled steps keep the Python loop for its labelled parts)."""
+        (`native_decoder`; profiled steps keep the Python loop for its labelled parts). The gate/up
+        weight takes pack_gate_up's layout where its size allows (linear.py)."""
         owners = [(layer, name) for layer in self.layers
                   for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] + [(self, "lm_head")]
         packed = 0
         for owner, name in owners:
             param = getattr(owner, name)
-            if can_pack(param.data):
+            if name == "gate_up_proj" and can_pack_gate_up(param.data):
+                param.data = pack_gate_up(param.data)  # SiLU-multiply fused into its GEMM
+                packed += 1
+            elif can_pack(param.data):
                 param.data = pack_weight(param.data)  # the same Parameter: a tied embedding follows
                 packed += 1
         if packed:

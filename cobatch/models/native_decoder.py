@@ -15,7 +15,7 @@ import torch
 
 from cobatch.models.attention import AttentionMetadata
 from cobatch.models.fused_ops import fused_ops
-from cobatch.models.linear import is_packed, native_gemm
+from cobatch.models.linear import is_gate_up_packed, is_packed, native_gemm
 from cobatch.models.native import load_attention_kernel, load_library
 
 if TYPE_CHECKING:
@@ -29,9 +29,10 @@ def _struct(name: str, fields: Sequence[tuple[str, type]]) -> type[ctypes.Struct
 
 
 # The structs of csrc/decoder.c, field for field.
-_Kernels = _struct("Kernels", [(n, _PTR) for n in ("gemm", "add_rms_norm", "silu_mul", "rope", "attention")])
+_Kernels = _struct("Kernels", [(n, _PTR) for n in ("gemm", "add_rms_norm", "silu_mul", "rope", "attention",
+                                                    "gemm_silu", "act_rows")])
 _Shape = _struct("Shape", [(n, _I64) for n in ("hidden", "inter", "num_heads", "num_kv_heads", "head_dim",
-                                              "block_size")] + [("eps", _FLOAT), ("scale", _FLOAT)])
+                                              "block_size", "fused_mlp")] + [("eps", _FLOAT), ("scale", _FLOAT)])
 _Layer = _struct("Layer", [(n, _PTR) for n in ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm",
                                               "gate_up", "down", "k_cache", "v_cache")])
 _Step = _struct("Step", [(n, _I64) for n in ("num_tokens", "max_blocks", "num_tiles", "num_keep")]
@@ -43,6 +44,10 @@ _Buffers = _struct("Buffers", [(n, _PTR) for n in ("residual", "x", "h", "qkv", 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _gate_up_layout(weight: torch.Tensor) -> str | None:
+    return "fused" if is_gate_up_packed(weight) else "packed" if is_packed(weight) else None
 
 
 class NativeDecoder:
@@ -58,9 +63,11 @@ class NativeDecoder:
         self._fn.restype = ctypes.c_int
         gemm, ops, attention = (load_library(name) for name in ("gemm_bf16", "fused_ops", "paged_attention"))
         self._kernels = _Kernels(*(ctypes.cast(f, _PTR).value for f in (
-            gemm.gemm_bf16, ops.add_rms_norm, ops.silu_mul, ops.rope_inplace, attention.paged_attention_bf16)))
+            gemm.gemm_bf16, ops.add_rms_norm, ops.silu_mul, ops.rope_inplace, attention.paged_attention_bf16,
+            gemm.gemm_bf16_silu, ops.silu_mul_rows_bf16)))
+        fused_mlp = is_gate_up_packed(model.layers[0].gate_up_proj)  # build() checked all layers agree
         self._shape = _Shape(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, 0,
-                             c.rms_norm_eps, c.head_dim ** -0.5)
+                             int(fused_mlp), c.rms_norm_eps, c.head_dim ** -0.5)
         self._layers = (_Layer * c.num_layers)(*(
             _Layer(*(_ptr(w) for w in (layer.input_norm, layer.qkv_proj, layer.qkv_bias, layer.o_proj,
                                        layer.o_bias, layer.post_attention_norm, layer.gate_up_proj,
@@ -72,9 +79,10 @@ class NativeDecoder:
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> NativeDecoder | None:
         """The native stack for `model`, or None when it cannot run it (see the module docstring)."""
-        weights = [w for layer in model.layers
-                   for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        weights = [w for layer in model.layers for w in (layer.qkv_proj, layer.o_proj, layer.down_proj)]
+        gate_up_layouts = {_gate_up_layout(layer.gate_up_proj) for layer in model.layers}  # one for all layers
         if (model.embed_tokens.dtype != torch.bfloat16 or not all(is_packed(w) for w in weights)
+                or gate_up_layouts not in ({"fused"}, {"packed"})
                 or not fused_ops().native or native_gemm() is None or load_attention_kernel() is None):
             return None
         lib = load_library("decoder")
@@ -118,8 +126,8 @@ class NativeDecoder:
         grown on demand (a 2k-token prefill step's ~30 MB would otherwise be mapped and faulted in anew
         every step). Each view starts on a 64-byte boundary. Nothing returned to the caller lives here."""
         c = self._model.config
-        widths = (c.hidden_size, c.hidden_size, c.qkv_size, c.num_heads * c.head_dim, 2 * c.intermediate_size,
-                  c.intermediate_size)
+        gate_up = 0 if self._shape.fused_mlp else 2 * c.intermediate_size  # fused: never materialized
+        widths = (c.hidden_size, c.hidden_size, c.qkv_size, c.num_heads * c.head_dim, gate_up, c.intermediate_size)
         sizes = [-(-num_tokens * w // 32) * 32 for w in widths]  # whole 64-byte lines of bf16
         if self._scratch.numel() < sum(sizes):
             self._scratch = torch.empty(sum(sizes) + 32, dtype=torch.bfloat16)

@@ -16,6 +16,7 @@
  *   K/V of the new tokens -> cache slots                 attn = paged_attention(q; cache)
  *   x = attn @ Wo (+ b)                                  h = add_rms_norm(x, residual += x, post_norm)
  *   gate_up = h @ Wgu                                    act = silu(gate) * up        x = act @ Wdown
+ * (with a gate/up-packed Wgu, fused_mlp: act straight from h in one kernel, gemm_bf16_silu, same bits).
  * The caller finishes with residual += x (the final norm belongs to compute_logits).
  */
 #include <stdint.h>
@@ -28,15 +29,22 @@ typedef void (*NormFn)(const void *x, void *residual, const void *weight, void *
 typedef void (*SiluFn)(const void *gate_up, void *out, int64_t rows, int64_t inter, int is_bf16);
 typedef void (*RopeFn)(void *x, const void *cos_table, const void *sin_table, const int64_t *positions,
                        int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim, int is_bf16);
+typedef void (*ActRowsFn)(const void *gate, const void *up, void *out, int64_t rows, int64_t width,
+                          int64_t in_stride, int64_t out_stride);
+typedef int (*GemmSiluFn)(const void *x, const void *packed, void *act, int64_t m, int64_t inter, int64_t k,
+                          int threads, ActRowsFn act_rows);
 typedef int (*AttentionFn)(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles, int num_tiles,
                            void *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale);
 
-typedef struct { GemmFn gemm; NormFn add_rms_norm; SiluFn silu_mul; RopeFn rope; AttentionFn attention; } Kernels;
-
-/* bf16 model shape; weights packed for gemm_bf16. */
 typedef struct {
-    int64_t hidden, inter, num_heads, num_kv_heads, head_dim, block_size;
+    GemmFn gemm; NormFn add_rms_norm; SiluFn silu_mul; RopeFn rope; AttentionFn attention;
+    GemmSiluFn gemm_silu; ActRowsFn act_rows;  /* read only with fused_mlp */
+} Kernels;
+
+/* bf16 model shape; weights packed for gemm_bf16, gate/up for gemm_bf16_silu when fused_mlp. */
+typedef struct {
+    int64_t hidden, inter, num_heads, num_kv_heads, head_dim, block_size, fused_mlp;
     float eps, scale;
 } Shape;
 
@@ -108,8 +116,12 @@ static int layer_forward(const Kernels *k, const Shape *s, const Layer *l, const
         return status;
     if ((status = k->gemm(b->attn, l->o, l->o_bias, b->x, T, H, nh * hd, threads))) return status;
     k->add_rms_norm(b->x, residual, l->post_norm, b->h, T, H, s->eps, 1);
-    if ((status = k->gemm(b->h, l->gate_up, NULL, b->gate_up, T, 2 * s->inter, H, threads))) return status;
-    k->silu_mul(b->gate_up, b->act, T, s->inter, 1);
+    if (s->fused_mlp) {
+        if ((status = k->gemm_silu(b->h, l->gate_up, b->act, T, s->inter, H, threads, k->act_rows))) return status;
+    } else {
+        if ((status = k->gemm(b->h, l->gate_up, NULL, b->gate_up, T, 2 * s->inter, H, threads))) return status;
+        k->silu_mul(b->gate_up, b->act, T, s->inter, 1);
+    }
     return k->gemm(b->act, l->down, NULL, b->x, T, H, s->inter, threads);
 }
 

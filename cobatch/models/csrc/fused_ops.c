@@ -243,6 +243,25 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int i
     FOR_EACH_DTYPE(rows, rows * inter, SILU_ROW);
 }
 
+/* bf16 out[r][0..width) = silu(gate[r]) * up[r] for `rows` rows, each array with its own row stride: the
+ * arithmetic of silu_mul on slices, serial. The packed GEMM's gate/up epilogue (gemm_bf16.c,
+ * gemm_bf16_silu) applies it to each tile it has just computed, inside its own parallel region. */
+void silu_mul_rows_bf16(const void *gate, const void *up, void *out, int64_t rows, int64_t width,
+                        int64_t in_stride, int64_t out_stride) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = (const uint16_t *)gate + r * in_stride, *u = (const uint16_t *)up + r * in_stride;
+        uint16_t *o = (uint16_t *)out + r * out_stride;
+#if HAVE_AVX512_BF16_ROWS
+        silu_mul_row_avx512(g, u, o, width);
+#else
+        for (int64_t i = 0; i < width; i++) {
+            float gi = bf16_to_f32(g[i]), silu = round_to(gi / (1.0f + exp_vec(-gi)), 1);
+            o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
+        }
+#endif
+    }
+}
+
 /* One head's halves x1 = x[lo..lo+half), x2 = x[hi..hi+half) rotated by the table row at `table`.
  * Staged through fp32 arrays: in-place reads and writes of one buffer defeat the vectoriser. */
 SPECIALISE void rotate_head(void *restrict x, int64_t lo, int64_t hi, const void *restrict cos_table,

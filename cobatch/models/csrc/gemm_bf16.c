@@ -90,9 +90,9 @@ typedef struct {
  * kstride (B = NZ: 32 and 32 NZ; B = 1: 16 K and 32). */
 typedef struct { int64_t zstride, kstride; } Strides;
 
-/* y[0..mr, 0..16 nz) = x[0..mr] . panels wp[0..nz) (+ bias). */
+/* y[0..mr, 0..16 nz) = x[0..mr] . panels wp[0..nz) (+ bias); y's rows ldy apart. */
 INLINE void tile(const uint16_t *x, int64_t K, const uint16_t *wp, Strides st,
-                 const uint16_t *bias, uint16_t *y, int64_t N, int mr, int nz, Prefetch pf) {
+                 const uint16_t *bias, uint16_t *y, int64_t ldy, int mr, int nz, Prefetch pf) {
     __m512 acc[(MR + 1) * NZ];  /* up to MR + 1 rows: see group_rows */
 #pragma GCC unroll 8
     for (int m = 0; m < mr; m++)
@@ -125,15 +125,15 @@ INLINE void tile(const uint16_t *x, int64_t K, const uint16_t *wp, Strides st,
         __m512 b = bias != NULL ? bf16_to_ps(_mm256_loadu_si256((const __m256i *)(bias + z * NR))) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++)
-            _mm256_storeu_si256((__m256i *)(y + m * N + z * NR), round_to_bf16(_mm512_add_ps(acc[m * NZ + z], b)));
+            _mm256_storeu_si256((__m256i *)(y + m * ldy + z * NR), round_to_bf16(_mm512_add_ps(acc[m * NZ + z], b)));
     }
 }
 
 /* Each (mr, nz) its own fully unrolled copy: tile sizes must be literals for the registers to work out. */
-#define CASE(R, Z) case (R) * 4 + (Z): tile(x, K, wp, st, bias, y, N, R, Z, pf); break;
+#define CASE(R, Z) case (R) * 4 + (Z): tile(x, K, wp, st, bias, y, ldy, R, Z, pf); break;
 #define CASES(R) CASE(R, 1) CASE(R, 2) CASE(R, 3)
 static void tile_any(const uint16_t *x, int64_t K, const uint16_t *wp, Strides st, const uint16_t *bias,
-                     uint16_t *y, int64_t N, int mr, int nz, Prefetch pf) {
+                     uint16_t *y, int64_t ldy, int mr, int nz, Prefetch pf) {
     switch (mr * 4 + nz) {
         CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6) CASES(7) CASES(8) CASES(9)
         default: break;
@@ -143,11 +143,11 @@ static void tile_any(const uint16_t *x, int64_t K, const uint16_t *wp, Strides s
 /* Panels per packed block (B above): NZ when they divide the panel count, else 1. */
 static inline int64_t block_panels(int64_t N) { return (N / NR) % NZ == 0 ? NZ : 1; }
 
-/* Rows m0..m1 of x against panel group g (panels NZ g .. NZ g + nz), prefetching the group after it
- * (next: NULL at the end of this thread's run; into L2 with to_l2; spread_rest: this call prefetches).
- * Either layout puts group g at NZ g K NR elements. */
-static void group_rows(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y, int64_t M0,
-                       int64_t M1, int64_t N, int64_t K, int64_t g, const uint16_t *next, int to_l2,
+/* `rows` rows of x against panel group g (panels NZ g .. NZ g + nz) into y (the first row's column 16 NZ g,
+ * rows ldy apart), prefetching the group after it (next: NULL at the end of this thread's run; into L2
+ * with to_l2; spread_rest: this call prefetches). Either layout puts group g at NZ g K NR elements. */
+static void group_rows(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y, int64_t ldy,
+                       int64_t rows, int64_t N, int64_t K, int64_t g, const uint16_t *next, int to_l2,
                        int spread_rest) {
     const int64_t panels = N / NR, p0 = g * NZ;
     const int nz = (int)(panels - p0 < NZ ? panels - p0 : NZ);
@@ -158,20 +158,19 @@ static void group_rows(const uint16_t *x, const uint16_t *wp, const uint16_t *bi
      * prefetch a 1-row rest joins the first tile (9 rows: 27 accumulators, 31 registers in all), as a
      * tile of its own it would wait on its 3 accumulator chains (M = 9: 1.06x; 5 + 4 was 3% slower than
      * 8 + 1). A row's arithmetic does not depend on its tile's height. */
-    const int64_t rows = M1 - M0;
     const int balance = spread_rest && rows % MR != 0 && rows % MR < MR / 2;
     const int absorb = !balance && rows > MR && rows % MR == 1;
     const int64_t tiles = absorb ? rows / MR : (rows + MR - 1) / MR;
     const int64_t sharing = balance || absorb || rows < MR ? tiles : rows / MR;  /* the tiles that prefetch */
-    int64_t m = M0;
+    int64_t m = 0;
     for (int64_t t = 0; t < tiles; t++) {
         int mr;
         if (balance) mr = (int)(rows / tiles + (t < rows % tiles));
         else if (absorb && t == 0) mr = MR + 1;
-        else mr = (int)(M1 - m < MR ? M1 - m : MR);
+        else mr = (int)(rows - m < MR ? rows - m : MR);
         Prefetch pf = {t < sharing ? next : NULL, t, sharing, to_l2};
-        tile_any(x + m * K, K, wp + p0 * K * NR, st, bias != NULL ? bias + p0 * NR : NULL,
-                 y + m * N + p0 * NR, N, mr, nz, pf);
+        tile_any(x + m * K, K, wp + p0 * K * NR, st, bias != NULL ? bias + p0 * NR : NULL, y + m * ldy, ldy,
+                 mr, nz, pf);
         m += mr;
     }
 }
@@ -199,7 +198,51 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
             const uint16_t *next = NULL;
             if (prefetch && c == chunks - 1 && task + PF_AHEAD < last && (g + PF_AHEAD) * NZ < N / NR)
                 next = (const uint16_t *)wp + (g + PF_AHEAD) * NZ * K * NR;
-            group_rows(x, wp, bias, y, m0, m1, N, K, g, next, to_l2, prefetch);
+            group_rows((const uint16_t *)x + m0 * K, wp, bias, (uint16_t *)y + m0 * N + g * NZ * NR, N, m1 - m0,
+                       N, K, g, next, to_l2, prefetch);
+        }
+    }
+    return 0;
+}
+
+/* The MLP's gate/up projection with its activation fused: act[M, inter] = silu(x Wg^T) * (x Wu^T), where the
+ * packed weight holds gate and up columns in alternating groups (linear.py, pack_gate_up: group 2j = gate
+ * columns 16 NZ j.., group 2j + 1 = the same up columns; inter % (16 NZ) == 0). Each task computes one
+ * such pair for up to MC rows into two small buffers, rounded to bf16 as gemm_bf16 rounds, and `act_rows`
+ * (fused_ops.c's silu_mul_rows_bf16) turns them into its slice of act: the same bits as gemm_bf16 then
+ * silu_mul. Why: a prefill step's [M, 2 inter] gate/up output (12.5 MB at 2k tokens here) is no longer
+ * written out and read back; each slice is consumed from L1/L2 while hot. Returns 0, or -2 on a bad shape. */
+typedef void (*ActRowsFn)(const void *gate, const void *up, void *out, int64_t rows, int64_t width,
+                          int64_t in_stride, int64_t out_stride);
+
+int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K, int num_threads,
+                   ActRowsFn act_rows) {
+    const int64_t N = 2 * inter, width = NZ * NR;
+    if (inter % width != 0 || K % 2 != 0 || M <= 0 || act_rows == NULL) return -2;
+    const int64_t pairs = inter / width, chunks = (M + MC - 1) / MC, tasks = pairs * chunks;
+    int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    const int prefetch = PF_AHEAD > 0 && M >= PF_MIN_M, to_l2 = M < PF_L1_MIN_M;
+    if (threads > tasks) threads = (int)tasks;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        uint16_t gate[MC * NZ * NR], up[MC * NZ * NR];
+        int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t first = tasks * me / nt, last = tasks * (me + 1) / nt;
+        const int64_t end_group = 2 * ((last - 1) / chunks + 1);  /* past this thread's last group */
+        for (int64_t task = first; task < last; task++) {
+            int64_t j = task / chunks, c = task % chunks;
+            int64_t m0 = c * MC, rows = (m0 + MC < M ? MC : M - m0);
+            /* prefetch the next group this thread has not read yet: in the same pair when each pair is
+             * one task, else (its last chunk) the next pair's, as gemm_bf16 does */
+            const uint16_t *next[2] = {NULL, NULL};
+            for (int h = 0; h < 2 && prefetch; h++) {
+                int64_t g = chunks == 1 ? 2 * j + h + 1 : (c == chunks - 1 ? 2 * j + h + 2 : end_group);
+                if (g < end_group) next[h] = (const uint16_t *)wp + g * NZ * K * NR;
+            }
+            const uint16_t *xs = (const uint16_t *)x + m0 * K;
+            group_rows(xs, wp, NULL, gate, width, rows, N, K, 2 * j, next[0], to_l2, prefetch);
+            group_rows(xs, wp, NULL, up, width, rows, N, K, 2 * j + 1, next[1], to_l2, prefetch);
+            act_rows(gate, up, (uint16_t *)act + m0 * inter + j * width, rows, width, width, inter);
         }
     }
     return 0;
@@ -212,6 +255,12 @@ int gemm_bf16_available(void) { return 0; }
 int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
               int num_threads) {
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+    return -1;
+}
+
+int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K, int num_threads,
+                   void (*act_rows)(void)) {
+    (void)x, (void)wp, (void)act, (void)M, (void)inter, (void)K, (void)num_threads, (void)act_rows;
     return -1;
 }
 
