@@ -20,7 +20,8 @@
  * group computes, the group after it is prefetched, spread over its tiles (group_rows says which).
  *
  * Work split: tasks are (panel group, chunk of MC rows), group-major, and each OpenMP thread takes one
- * contiguous run of them, so at decode sizes each thread streams one contiguous part of the weight.
+ * contiguous run of them, so at decode sizes each thread streams one contiguous part of the weight; a
+ * thread done early takes tasks from the back of the others' runs (init_runs, below).
  *
  * Numerics: each output is summed over K pairs in order, in fp32 (vdpbf16ps: denormal inputs and products
  * flush to zero), then rounded once to bf16 (nearest even, NaN kept, as torch does). The order does not
@@ -177,6 +178,43 @@ static void group_rows(const uint16_t *x, const uint16_t *wp, const uint16_t *bi
 
 int gemm_bf16_available(void) { return 1; }
 
+/* Work split: thread i owns the contiguous run of tasks [n i / nt, n (i + 1) / nt) and takes it front to
+ * back (at decode sizes: its part of the weight, streamed in order); once done, it takes tasks from the
+ * back of the other runs, one at a time. Why: on this shared machine one core is often slower than the
+ * other for a while, and with the static split alone the faster one waited 2-5% of the GEMM time of a
+ * decode step (up to ~10% in noisy moments; measured at B = 35). Which thread computes a task changes
+ * no bits. A run's bounds share one atomic word, so a task is taken exactly once. */
+typedef struct { _Alignas(64) uint64_t bounds; } Run;  /* next task (low 32 bits), end (high 32 bits) */
+
+static inline uint64_t run_bounds(int64_t next, int64_t end) { return (uint64_t)next | (uint64_t)end << 32; }
+
+static inline int64_t run_end(Run *r) { return (int64_t)(__atomic_load_n(&r->bounds, __ATOMIC_RELAXED) >> 32); }
+
+static void init_runs(Run *runs, int threads, int64_t tasks) {
+    for (int i = 0; i < threads; i++) runs[i].bounds = run_bounds(tasks * i / threads, tasks * (i + 1) / threads);
+}
+
+/* Run r's first task (from_back: its last), or -1 when it has none left. */
+static inline int64_t take(Run *r, int from_back) {
+    uint64_t cur = __atomic_load_n(&r->bounds, __ATOMIC_RELAXED);
+    for (;;) {
+        int64_t next = (int64_t)(cur & 0xffffffffu), end = (int64_t)(cur >> 32);
+        if (next >= end) return -1;
+        uint64_t want = from_back ? run_bounds(next, end - 1) : run_bounds(next + 1, end);
+        if (__atomic_compare_exchange_n(&r->bounds, &cur, want, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return from_back ? end - 1 : next;
+    }
+}
+
+/* Thread me's next task: the front of its own run (*own = 1), else the back of another's; -1 when all are
+ * done. Runs without an owner (a team smaller than asked for) are taken from the back too. */
+static inline int64_t next_task(Run *runs, int threads, int me, int *own) {
+    int64_t task = me < threads ? take(&runs[me], 0) : -1;
+    *own = task >= 0;
+    for (int k = 1; task < 0 && k <= threads; k++) task = take(&runs[(me + k) % threads], 1);
+    return task;
+}
+
 /* x [M, K], packed weight (layout above; N % 16 == 0, K even), bias [N] or NULL, y [M, N]: contiguous
  * bf16 (uint16 bits). num_threads <= 0: the OpenMP default. Returns 0, or -2 on a bad shape. */
 int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
@@ -187,16 +225,18 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
     const int prefetch = PF_AHEAD > 0 && (block_panels(N) == 1 || M >= PF_MIN_M);
     const int to_l2 = block_panels(N) == NZ && M < PF_L1_MIN_M;
     if (threads > tasks) threads = (int)tasks;
+    Run runs[threads];
+    init_runs(runs, threads, tasks);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
-        int64_t first = tasks * me / nt, last = tasks * (me + 1) / nt;
-        for (int64_t task = first; task < last; task++) {
+        int own;
+        for (int64_t task; (task = next_task(runs, threads, omp_get_thread_num(), &own)) >= 0;) {
             int64_t g = task / chunks, c = task % chunks;
             int64_t m0 = c * MC, m1 = m0 + MC < M ? m0 + MC : M;
             /* prefetch the next group when this is the last chunk of the group and the next is ours */
             const uint16_t *next = NULL;
-            if (prefetch && c == chunks - 1 && task + PF_AHEAD < last && (g + PF_AHEAD) * NZ < N / NR)
+            if (prefetch && own && c == chunks - 1 && task + PF_AHEAD < run_end(&runs[omp_get_thread_num()])
+                && (g + PF_AHEAD) * NZ < N / NR)
                 next = (const uint16_t *)wp + (g + PF_AHEAD) * NZ * K * NR;
             group_rows((const uint16_t *)x + m0 * K, wp, bias, (uint16_t *)y + m0 * N + g * NZ * NR, N, m1 - m0,
                        N, K, g, next, to_l2, prefetch);
@@ -223,21 +263,24 @@ int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t 
     int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
     const int prefetch = PF_AHEAD > 0 && M >= PF_MIN_M, to_l2 = M < PF_L1_MIN_M;
     if (threads > tasks) threads = (int)tasks;
+    Run runs[threads];
+    init_runs(runs, threads, tasks);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         uint16_t gate[MC * NZ * NR], up[MC * NZ * NR];
-        int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
-        int64_t first = tasks * me / nt, last = tasks * (me + 1) / nt;
-        const int64_t end_group = 2 * ((last - 1) / chunks + 1);  /* past this thread's last group */
-        for (int64_t task = first; task < last; task++) {
+        int own;
+        for (int64_t task; (task = next_task(runs, threads, omp_get_thread_num(), &own)) >= 0;) {
             int64_t j = task / chunks, c = task % chunks;
             int64_t m0 = c * MC, rows = (m0 + MC < M ? MC : M - m0);
-            /* prefetch the next group this thread has not read yet: in the same pair when each pair is
-             * one task, else (its last chunk) the next pair's, as gemm_bf16 does */
+            /* prefetch the next group this thread has not read yet, as gemm_bf16 does: with one task per
+             * pair, the pair's up group, then the next pair's gate (if that task is ours); else, at a
+             * pair's last chunk, the next pair's two groups */
+            const int next_ours = own && task + 1 < run_end(&runs[omp_get_thread_num()]);
             const uint16_t *next[2] = {NULL, NULL};
-            for (int h = 0; h < 2 && prefetch; h++) {
-                int64_t g = chunks == 1 ? 2 * j + h + 1 : (c == chunks - 1 ? 2 * j + h + 2 : end_group);
-                if (g < end_group) next[h] = (const uint16_t *)wp + g * NZ * K * NR;
+            for (int h = 0; h < 2 && prefetch && (chunks == 1 || c == chunks - 1); h++) {
+                int64_t g = chunks == 1 ? 2 * j + h + 1 : 2 * j + h + 2;
+                if ((chunks == 1 && h == 0) || (next_ours && g < 2 * pairs))
+                    next[h] = (const uint16_t *)wp + g * NZ * K * NR;
             }
             const uint16_t *xs = (const uint16_t *)x + m0 * K;
             group_rows(xs, wp, NULL, gate, width, rows, N, K, 2 * j, next[0], to_l2, prefetch);
