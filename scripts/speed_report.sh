@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The issue-5 speed figures in one sequential run (machine otherwise idle): roofline + mixed64 vs its
-# ideal-schedule ceiling, peers on mixed64 (cobatch continuous/static, HF static at 32 and 64, HF CB), and
+# ideal-schedule ceiling (best and median of 3 engine runs), peers on mixed64 (cobatch continuous/static, HF static at 32 and 64, HF CB), and
 # where the step time goes. JSON lands in docs/bench/; figures are copied into docs/BENCHMARKS.md by hand.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +8,7 @@ PY=${PY:-.venv/bin/cobatch}
 MIXED=(--num-prompts 64 --input-len 64-256 --output-len 8-32,128-256)
 uptime
 $PY bench roofline --dtype bfloat16 --max-num-seqs 64 --batch-sizes 1,8,32,64 --contexts 64,256 \
-    --workload mixed64 --output-json docs/bench/roofline.json
+    --workload mixed64 --runs 3 --output-json docs/bench/roofline.json
 uptime
 $PY bench offline --workload mixed64 --max-num-seqs 64 --dtype bfloat16 --profile
 uptime

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from cobatch.bench.roofline import (Machine, ModelCost, ideal_schedule_s, measure_machine, model_cost,
-                                   roofline_tokens_per_s)
-from cobatch.models.linear import is_packed, native_gemm
+from cobatch.bench.roofline import (Machine, ModelCost, add_arguments, ideal_schedule_s, measure_machine,
+                                   model_cost, roofline_tokens_per_s, run_against_ceiling)
+from cobatch.models.linear import is_gate_up_packed, is_packed, native_gemm
 from tests.runner_helpers import runner_for, tiny_hf_model
 
 
@@ -32,14 +34,18 @@ def test_model_cost_counts_every_matmul_weight_once(tied: bool) -> None:
 
 
 @pytest.mark.skipif(native_gemm() is None, reason="no packed GEMM here")
-def test_packed_bf16_weights_cost_and_measure_like_unpacked_ones() -> None:
-    """A bf16 runner packs its weights (4-D tensors): the cost is unchanged and the machine probe runs."""
+@pytest.mark.parametrize("intermediate_size", [128, 96])  # gate/up packed as 4-D (2 x 128) or 5-D (2 x 96)
+def test_packed_bf16_weights_cost_and_measure_like_unpacked_ones(intermediate_size: int) -> None:
+    """A bf16 runner packs its weights (4-D tensors; gate/up 5-D where its halves are whole 48-column
+    blocks): the cost is unchanged and the machine probe runs."""
     import torch
 
-    runner = runner_for(tiny_hf_model("llama", hidden_size=64, intermediate_size=128))
+    runner = runner_for(tiny_hf_model("llama", hidden_size=64, intermediate_size=intermediate_size))
     model = runner.model.to(torch.bfloat16)
     unpacked = model_cost(model)
-    assert model.pack_linear_weights() > 0 and is_packed(model.layers[0].gate_up_proj)
+    assert model.pack_linear_weights() > 0
+    gate_up = model.layers[0].gate_up_proj
+    assert is_gate_up_packed(gate_up) if intermediate_size == 96 else is_packed(gate_up)
     packed = model_cost(model)
     assert packed == unpacked
     machine = measure_machine(model, reps=1, m=64, bandwidth_bytes=1 << 20)
@@ -52,3 +58,21 @@ def test_ideal_schedule_prefills_at_peak_then_decodes_the_shrinking_batch() -> N
     # Prefill: 30 prompt tokens x 40 FLOP + 2 sampled x 10 = 1220 FLOP = 1.22 s. Decode: outputs 1 and 3
     # -> steps 1 and 2 with one request each (the first token comes with the prefill), 1 s each.
     assert ideal_schedule_s(cost, machine, [10, 20], [1, 3]) == pytest.approx(1.22 + 2.0)
+
+
+def test_workload_runs_report_each_the_best_and_the_median(capsys: pytest.CaptureFixture[str]) -> None:
+    """--runs N: every run printed; the share of the ceiling is the best run's, the median's beside it."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--workload", "mixed64", "--num-prompts", "3", "--input-len", "4-8",
+                              "--output-len", "2-5", "--runs", "3", "--dtype", "float32",
+                              "--block-size", "4"])  # runner_for's blocks
+    runner = runner_for(tiny_hf_model("llama", vocab_size=30000))  # the workload's token ids: 1000..29999
+    cost = ModelCost(weight_bytes=10 ** 6, flops_per_token=10 ** 6, lm_head_flops=10 ** 5)
+    out = run_against_ceiling(args, runner, cost, Machine(gemm_flops_per_s=1e12, read_bytes_per_s=1e11))
+    rates = out["runs_tokens_per_s"]
+    assert len(rates) == 3 and all(r > 0 for r in rates)
+    assert out["tokens_per_s"] == max(rates) and out["median_tokens_per_s"] == sorted(rates)[1]
+    assert out["share_of_ceiling"] == pytest.approx(max(rates) / out["ceiling_tokens_per_s"])
+    printed = capsys.readouterr().out
+    assert printed.count("(run ") == 3 and "best of 3 runs" in printed
