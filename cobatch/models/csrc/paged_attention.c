@@ -97,6 +97,10 @@ static inline void chunk_rows(const Attn *a, const int64_t *table, int64_t c0, i
 
 static inline int imin(int64_t x, int64_t y) { return (int)(x < y ? x : y); }
 
+/* fmaxf inlined: a NaN argument yields the other one. (Without -ffinite-math-only, which the build does
+ * not use, fmaxf is a libm call: perf put it at ~1% of decode attention, once per query head and chunk.) */
+static inline float max_of(float a, float b) { return a > b || b != b ? a : b; }
+
 /* ------------------------------------------------------------------------------------ generic path */
 
 /* x . y in 16 fixed lanes, then a fixed-order sum: the same bits wherever x and y sit (an auto-vectorized
@@ -412,7 +416,7 @@ static inline __attribute__((always_inline)) void block_scores(const uint32_t *c
 static inline __attribute__((always_inline)) __m512 softmax_step(__m512 s, __mmask16 valid, float c, float *mx,
                                                                  float *lsum, uint32_t w[CHUNK], const int bf16) {
     s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
-    float mnew = fmaxf(*mx, _mm512_reduce_max_ps(s));
+    float mnew = max_of(*mx, _mm512_reduce_max_ps(s));
     __m512 vc = _mm512_set1_ps(c), vmc = _mm512_set1_ps(mnew * c);
     /* 0 on the first chunk (max was -inf; accumulator and denominator are 0 then) */
     __m512 corr = exp2_ps(_mm512_fmsub_ps(_mm512_set1_ps(*mx), vc, vmc));
