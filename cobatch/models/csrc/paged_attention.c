@@ -473,19 +473,20 @@ typedef struct {
     const void *const *vrows;      /* fp32 */
 } Chunk;
 
-/* One chunk for nb consecutive query heads of the item (index m = (kv head offset, token, head in
- * group), see fast_item); `valid` masks per head. */
-static inline __attribute__((always_inline)) void chunk_block(const Attn *a, const Tile *t, int h0, int nt,
-                                                              int m0, const int nb, int64_t c0, const Chunk *ch,
+/* One chunk for nb consecutive query heads of the item, all of KV head h: index m0 + q = (h - h0, token
+ * i, head g in the group) (see fast_item), starting at token i0, head g0 and counted up from there
+ * (no divisions: they showed in perf); `valid` masks per head. */
+static inline __attribute__((always_inline)) void chunk_block(const Attn *a, const Tile *t, int h, int m0, int i0,
+                                                              int g0, const int nb, int64_t c0, const Chunk *ch,
                                                               Fast *f, int hd, Prefetch *pf, const int bf16) {
     const int group = a->group;
     const uint32_t *qp[4];
     __mmask16 valid[4];
-    for (int q = 0; q < nb; q++) {
-        int m = m0 + q, hh = m / (nt * group), i = m / group % nt, head = (h0 + hh) * group + m % group;
+    for (int q = 0, i = i0, g = g0; q < nb; q++) {
         int64_t seen = t->context + i - c0;  /* keys of this chunk the token sees */
         valid[q] = seen >= CHUNK ? (__mmask16)0xffff : (__mmask16)((1u << seen) - 1);
-        qp[q] = query_columns(a, t->first + i, head, bf16 ? 2 : 4);
+        qp[q] = query_columns(a, t->first + i, h * group + g, bf16 ? 2 : 4);
+        if (++g == group) g = 0, i++;
     }
     __m512 s[4], corr[4];
     uint32_t w[4][CHUNK];
@@ -537,13 +538,18 @@ static inline void chunk_pointers(const char *const k[CHUNK], const char *const 
 static inline __attribute__((always_inline)) void chunk_head(const Attn *a, const Tile *t, int h0, int h, int nt,
                                                              int first_token, int64_t c0, const Chunk *ch,
                                                              Fast *f, int hd, Prefetch *pf, const int bf16) {
-    const int per_head = nt * a->group;
-    int m = (h - h0) * per_head + first_token * a->group, end = (h - h0 + 1) * per_head;
-    for (; m + 4 <= end; m += 4) chunk_block(a, t, h0, nt, m, 4, c0, ch, f, hd, pf, bf16);
+    const int group = a->group, per_head = nt * group;
+    int m = (h - h0) * per_head + first_token * group, end = (h - h0 + 1) * per_head;
+    int i = first_token, g = 0;  /* token and head in group of query m, advanced 4 heads at a time */
+    for (; m + 4 <= end; m += 4) {
+        chunk_block(a, t, h, m, i, g, 4, c0, ch, f, hd, pf, bf16);
+        for (int k = 0; k < 4; k++)
+            if (++g == group) g = 0, i++;
+    }
     switch (end - m) {
-        case 3: chunk_block(a, t, h0, nt, m, 3, c0, ch, f, hd, pf, bf16); break;
-        case 2: chunk_block(a, t, h0, nt, m, 2, c0, ch, f, hd, pf, bf16); break;
-        case 1: chunk_block(a, t, h0, nt, m, 1, c0, ch, f, hd, pf, bf16); break;
+        case 3: chunk_block(a, t, h, m, i, g, 3, c0, ch, f, hd, pf, bf16); break;
+        case 2: chunk_block(a, t, h, m, i, g, 2, c0, ch, f, hd, pf, bf16); break;
+        case 1: chunk_block(a, t, h, m, i, g, 1, c0, ch, f, hd, pf, bf16); break;
         default: break;
     }
 }
