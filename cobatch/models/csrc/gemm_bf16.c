@@ -31,6 +31,10 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The activation gemm_bf16_silu applies to its tiles: fused_ops.c's silu_mul_rows_bf16. */
+typedef void (*ActRowsFn)(const void *gate, const void *up, void *out, int64_t rows, int64_t width,
+                          int64_t in_stride, int64_t out_stride);
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #include <omp.h>
@@ -252,9 +256,6 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
  * (fused_ops.c's silu_mul_rows_bf16) turns them into its slice of act: the same bits as gemm_bf16 then
  * silu_mul. Why: a prefill step's [M, 2 inter] gate/up output (12.5 MB at 2k tokens here) is no longer
  * written out and read back; each slice is consumed from L1/L2 while hot. Returns 0, or -2 on a bad shape. */
-typedef void (*ActRowsFn)(const void *gate, const void *up, void *out, int64_t rows, int64_t width,
-                          int64_t in_stride, int64_t out_stride);
-
 int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K, int num_threads,
                    ActRowsFn act_rows) {
     const int64_t N = 2 * inter, width = NZ * NR;
@@ -302,7 +303,7 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
 }
 
 int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K, int num_threads,
-                   void (*act_rows)(void)) {
+                   ActRowsFn act_rows) {
     (void)x, (void)wp, (void)act, (void)M, (void)inter, (void)K, (void)num_threads, (void)act_rows;
     return -1;
 }
