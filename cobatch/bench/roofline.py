@@ -117,8 +117,7 @@ def measure_machine(model: object, reps: int = 10, m: int = 1024, bandwidth_byte
         plain = unpack_weight(weight) if is_packed(weight) else weight  # a contiguous copy
         peak = max(peak, _best_rate(2.0 * m * n * k, lambda: F.linear(x, plain), reps))
         if is_packed(weight):
-            packed = weight
-            peak = max(peak, _best_rate(2.0 * m * n * k, lambda: linear(x, packed), reps))
+            peak = max(peak, _best_rate(2.0 * m * n * k, lambda: linear(x, weight), reps))
     # On huge pages, as the engine keeps its weights and KV pool: the sum reads faster there (1.1-1.4x in
     # same-process comparisons here), and the roofline must not flatter the engine with a slow figure.
     big = huge_page_zeros((bandwidth_bytes // 4,), torch.float32).fill_(1.0)

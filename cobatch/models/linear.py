@@ -14,8 +14,8 @@ blocks of 3); `linear(x, weight, bias)` takes either layout: a packed weight goe
 kernel, a [N, K] one to F.linear. The MLP's fused gate/up weight can take a third layout,
 `pack_gate_up`'s [I/48, 2, K/2, 48, 2] (a gate block, then the same up block), which only
 `silu_mul_linear` reads: the kernel applies SiLU-multiply to each tile as it computes it, so the
-[M, 2I] gate/up output never goes through memory (the same bits as linear + silu_mul). `embedding` looks rows up in either layout (a tied lm_head is packed
-together with the embedding table). Weights are packed only where the kernel exists (AVX512-BF16, a
+[M, 2I] gate/up output never goes through memory (the same bits as linear + silu_mul).
+`embedding` looks rows up in either layout (a tied lm_head is packed together with the embedding table). Weights are packed only where the kernel exists (AVX512-BF16, a
 compiler, COBATCH_NO_NATIVE unset), for bf16 CPU weights with N % 16 == 0 and K even.
 
 Numerics: each output is one fp32 sum over K in a fixed order, rounded once to bf16 (as F.linear rounds;
@@ -74,7 +74,7 @@ class PackedGemmSilu:
         self._fn = gemm.gemm_bf16_silu
         self._fn.argtypes = [_PTR] * 3 + [_I64] * 3 + [_INT, _PTR]
         self._fn.restype = _INT
-        self.act_rows = ctypes.cast(ops.silu_mul_rows_bf16, _PTR).value  # also handed to csrc/decoder.c
+        self._act_rows = ctypes.cast(ops.silu_mul_rows_bf16, _PTR).value
 
     def __call__(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """[..., K] -> [..., I]."""
@@ -86,7 +86,7 @@ class PackedGemmSilu:
         if rows == 0:
             return out
         status = self._fn(x.data_ptr(), gate_up.data_ptr(), out.data_ptr(), rows, two_inter // 2, in_features,
-                          torch.get_num_threads(), self.act_rows)
+                          torch.get_num_threads(), self._act_rows)
         if status != 0:
             raise RuntimeError(f"gemm_bf16_silu failed with status {status}")
         return out
