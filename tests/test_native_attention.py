@@ -13,7 +13,7 @@ import torch
 
 from cobatch.models.attention import AttentionMetadata, make_tiles, paged_attention
 from cobatch.models.native import load_attention_kernel
-from cobatch.runner.model_runner import prepare_batch
+from cobatch.runner.model_runner import _prepare_any, prepare_batch
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import ScheduledRow
 from tests.runner_helpers import BlockAllocator, hf_greedy, runner_for, step, tiny_hf_model
@@ -183,6 +183,28 @@ def test_kernel_matches_torch_path(dtype: torch.dtype, atol: float, heads: tuple
         assert isinstance(meta, AttentionMetadata) and (meta.kernel is None) == (kernel is None)
         outs.append(paged_attention(case.q, new_k, new_v, case.k_cache, case.v_cache, meta, case.scale))
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=atol, rtol=atol)
+
+
+@needs_kernel
+def test_decode_step_inputs_match_the_general_path() -> None:
+    """A step of decode rows only builds its inputs from Python lists (_prepare_decode): the same tensors
+    as the vectorized path, for rows at block boundaries, with spare blocks, and some not sampling."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        rows = []
+        for i in range(int(torch.randint(1, 40, (1,), generator=gen))):
+            computed = int(torch.randint(0, 70, (1,), generator=gen))
+            spare = int(torch.randint(0, 3, (1,), generator=gen))
+            table = torch.randint(0, 500, (computed // 16 + 1 + spare,), generator=gen).tolist()
+            rows.append(ScheduledRow(f"r{i}", list(range(computed + 1)), max(1, computed - 2), computed, 1, table,
+                                     SamplingParams(), needs_sample=bool(torch.rand(1, generator=gen) < 0.8)))
+        fast = prepare_batch(rows, 16, torch.device("cpu"), KERNEL, scratch_slot=10_000)
+        general = _prepare_any(rows, 16, torch.device("cpu"), KERNEL, scratch_slot=10_000)
+        for name in ("input_ids", "positions", "sample_indices", "sample_tiles"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)), name
+        for name in ("slot_mapping", "block_tables", "tiles"):
+            assert torch.equal(getattr(fast.meta, name), getattr(general.meta, name)), name
+        assert fast.meta.num_decode_tokens == general.meta.num_decode_tokens == len(rows)
 
 
 @needs_kernel

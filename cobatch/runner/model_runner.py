@@ -188,6 +188,14 @@ def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.d
     block other requests share; in bf16 the recomputed K/V can differ in the low bits, so their writes
     go to `scratch_slot` (a block the scheduler never hands out) instead.
     """
+    if attention_kernel is not None and all(r.num_new_tokens == 1 and not r.is_padding for r in rows):
+        return _prepare_decode(rows, block_size, device, attention_kernel)
+    return _prepare_any(rows, block_size, device, attention_kernel, scratch_slot)
+
+
+def _prepare_any(rows: Sequence[ScheduledRow], block_size: int, device: torch.device,
+                 attention_kernel: AttentionKernel | None, scratch_slot: int | None) -> Batch:
+    """prepare_batch for any mix of rows, with vectorized torch ops (a prefill step's thousands of tokens)."""
     order = sorted(range(len(rows)), key=lambda i: rows[i].num_new_tokens != 1)  # stable: decode first
     ordered = [rows[i] for i in order]
     num_decode = sum(1 for r in ordered if r.num_new_tokens == 1)
@@ -222,6 +230,36 @@ def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.d
                                    dim=1).to(device)
     return Batch(torch.tensor(token_ids, device=device), positions.to(device), meta,
                  (ends[sampled] - 1).to(device), sample_tiles)
+
+
+def _prepare_decode(rows: Sequence[ScheduledRow], block_size: int, device: torch.device,
+                    attention_kernel: AttentionKernel) -> Batch:
+    """prepare_batch for a step of decode rows only (no padding), native attention: the same tensors,
+    built from Python lists in one pass. Why: at batch 32 the general path's ~20 small torch ops took
+    ~0.25 ms, ~0.55 ms inside a running engine (cold caches after the forward), every decode step."""
+    token_ids, positions, slots, tables, tiles, sampled, sample_tiles = [], [], [], [], [], [], []
+    width = max(r.num_computed_tokens // block_size + 1 for r in rows)
+    for i, r in enumerate(rows):
+        position = r.num_computed_tokens
+        block = position // block_size
+        assert len(r.block_table) > block, f"row {r.request_id}: block table shorter than its tokens"
+        token_ids.append(r.token_ids[position])
+        positions.append(position)
+        slots.append(r.block_table[block] * block_size + position % block_size)
+        tables.append(r.block_table[:block + 1] + [0] * (width - block - 1))
+        tiles.append((i, i, 1, position + 1))
+        if r.needs_sample:
+            sample_tiles.append((i, len(sampled), 1, position + 1))
+            sampled.append(i)
+    meta = AttentionMetadata(slot_mapping=_ints(slots, device), num_decode_tokens=len(rows))
+    meta.kernel = attention_kernel
+    meta.block_tables, meta.tiles = _ints(tables, device), _ints(tiles, device)
+    return Batch(_ints(token_ids, device), _ints(positions, device), meta, _ints(sampled, device),
+                 _ints(sample_tiles, device).view(-1, 4))
+
+
+def _ints(values: list, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _padded_block_tables(rows: Sequence[ScheduledRow], block_size: int) -> torch.Tensor:
