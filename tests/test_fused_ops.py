@@ -89,12 +89,13 @@ def test_argmax_matches_torch_max(dtype: torch.dtype, request: pytest.FixtureReq
     logits[3, 4] = float("nan")
     logits[4] = float("-inf")
     logits[5, 0] = float("inf")
+    logits[6, 40] = logits[6, 64] = 50.0  # a tie across the kernel's vector sets: the later one in set 0
     best, index = NATIVE.argmax(logits)
     want_best, want_index = logits.max(dim=-1)
     assert best.dtype == torch.float32 and index.dtype == torch.int64
     assert torch.equal(best[[0, 1, 2, 5, 6]], want_best[[0, 1, 2, 5, 6]].float())
     assert torch.equal(index[[0, 1, 2, 5, 6]], want_index[[0, 1, 2, 5, 6]])
-    assert index[:3].tolist() == [20, 17, 1012]
+    assert index[:3].tolist() == [20, 17, 1012] and index[6] == 40
     assert best[3].isnan() and best[4] == float("-inf")
     eager_best, eager_index = EAGER.argmax(logits)
     assert torch.equal(eager_index[[0, 1, 2, 5, 6]], index[[0, 1, 2, 5, 6]])

@@ -157,6 +157,9 @@ def test_embedding_reads_packed_rows(vocab: int) -> None:
     ids = torch.tensor([[0, 17, 63], [5, 5, vocab - 1]])
     assert torch.equal(embedding(ids, pack_weight(w)), F.embedding(ids, w))
     assert torch.equal(embedding(ids, w), F.embedding(ids, w))
+    for bad in (vocab, -1):  # an id outside the table is an error, not a read out of bounds
+        with pytest.raises(IndexError):
+            embedding(torch.tensor([0, bad]), pack_weight(w))
 
 
 @needs_kernel

@@ -46,6 +46,9 @@ class PackedGemm:
         self._fn = lib.gemm_bf16
         self._fn.argtypes = [_PTR] * 4 + [_I64] * 3 + [_INT]
         self._fn.restype = _INT
+        self._rows = lib.packed_rows_bf16
+        self._rows.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR]
+        self._rows.restype = _INT
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """[..., K] -> [..., N]."""
@@ -64,6 +67,17 @@ class PackedGemm:
         if status != 0:
             raise RuntimeError(f"gemm_bf16 failed with status {status}")
         return out
+
+
+    def rows(self, ids: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight `packed` holds (an embedding lookup): [*ids.shape, K]."""
+        out_features, in_features = packed_shape(packed)
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = packed.new_empty(flat.numel(), in_features)
+        if self._rows(packed.data_ptr(), flat.data_ptr(), flat.numel(), out_features, in_features,
+                      out.data_ptr()) != 0:
+            raise IndexError(f"token id out of range [0, {out_features})")
+        return out.view(*ids.shape, in_features)
 
 
 class PackedGemmSilu:
@@ -199,7 +213,6 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.embedding(ids, weight) for a [V, H] table or a packed one: rows [*ids.shape, H]."""
     if not is_packed(weight):
         return F.embedding(ids, weight)
-    flat = ids.reshape(-1)
-    c = weight.shape[2]  # columns per block
-    rows = weight[flat // c, :, flat % c, :]  # [T, H/2, 2]: advanced indices go first
-    return rows.reshape(*ids.shape, packed_shape(weight)[1])
+    kernel = native_gemm()
+    assert kernel is not None, "packed weights exist only where the kernel does"
+    return kernel.rows(ids, weight)

@@ -318,30 +318,47 @@ void rope_inplace(void *x, const void *cos_table, const void *sin_table, const i
 }
 
 /* Greedy sampling's argmax: for each row of x [rows, cols], the max (NaN if the row has a NaN, as
- * torch.max gives) and the first index holding it (-1 when no value beats -inf). One pass: each of 16
- * lanes keeps its running max and where it first reached it; the row's answer is the smallest index
- * among the lanes that hold the row's max. */
+ * torch.max gives) and the first index holding it (-1 when no value beats -inf). One pass: each lane of
+ * ARGMAX_SETS independent vector sets keeps its running max and where it first reached it (independent
+ * chains: one set waited on its compare-and-blend latency, 4 sets run ~2x faster at 49k columns); the
+ * row's answer is the smallest index among the lanes that hold the row's max. */
 #if HAVE_AVX512
+enum { ARGMAX_SETS = 4 };
+
 static inline __m512 load16(const void *x, int64_t i, int is_bf16, __mmask16 m) {
     return is_bf16 ? load_bf16((const uint16_t *)x + i, m) : _mm512_maskz_loadu_ps(m, (const float *)x + i);
 }
 
+/* Fold the 16 values at column i (lanes `valid`) into the set (mx, at). */
+static inline void argmax_step(const void *x, int64_t base, int64_t i, __mmask16 valid, int is_bf16, __m512 *mx,
+                               __m512i *at, __mmask16 *nan) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 v = load16(x, base + i, is_bf16, valid);
+    *nan |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
+    __mmask16 gt = _mm512_mask_cmp_ps_mask(valid, v, *mx, _CMP_GT_OQ);
+    *mx = _mm512_mask_mov_ps(*mx, gt, v);
+    *at = _mm512_mask_mov_epi32(*at, gt, _mm512_add_epi32(lane, _mm512_set1_epi32((int)i)));
+}
+
 SPECIALISE void argmax_row(const void *x, int64_t r, int64_t cols, int is_bf16, int64_t *index, float *best) {
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    __m512i at = _mm512_set1_epi32(-1), lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 mx[ARGMAX_SETS];
+    __m512i at[ARGMAX_SETS];
+    for (int u = 0; u < ARGMAX_SETS; u++) mx[u] = _mm512_set1_ps(-INFINITY), at[u] = _mm512_set1_epi32(-1);
     __mmask16 nan = 0;
     const int64_t base = r * cols;
-    for (int64_t i = 0; i < cols; i += 16) {  /* indices fit int32: cols < 2^31 (checked by the caller) */
-        __mmask16 valid = tail_mask(cols - i);
-        __m512 v = load16(x, base + i, is_bf16, valid);
-        nan |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
-        __mmask16 gt = _mm512_mask_cmp_ps_mask(valid, v, mx, _CMP_GT_OQ);
-        mx = _mm512_mask_mov_ps(mx, gt, v);
-        at = _mm512_mask_mov_epi32(at, gt, _mm512_add_epi32(lane, _mm512_set1_epi32((int)i)));
+    int64_t i = 0;  /* indices fit int32: cols < 2^31 (checked by the caller) */
+    for (; i + 16 * ARGMAX_SETS <= cols; i += 16 * ARGMAX_SETS)
+        for (int u = 0; u < ARGMAX_SETS; u++) argmax_step(x, base, i + 16 * u, 0xffff, is_bf16, &mx[u], &at[u], &nan);
+    for (; i < cols; i += 16) argmax_step(x, base, i, tail_mask(cols - i), is_bf16, &mx[0], &at[0], &nan);
+    __m512 all = mx[0];
+    for (int u = 1; u < ARGMAX_SETS; u++) all = _mm512_max_ps(all, mx[u]);
+    float m = _mm512_reduce_max_ps(all);
+    int first = -1;
+    for (int u = 0; u < ARGMAX_SETS; u++) {
+        __mmask16 holders = _mm512_cmp_ps_mask(mx[u], _mm512_set1_ps(m), _CMP_EQ_OQ);
+        int at_u = holders ? _mm512_mask_reduce_min_epi32(holders, at[u]) : -1;
+        if (at_u >= 0 && (first < 0 || at_u < first)) first = at_u;
     }
-    float m = _mm512_reduce_max_ps(mx);
-    __mmask16 holders = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_EQ_OQ);
-    int first = _mm512_mask_reduce_min_epi32(holders, at);
     index[r] = m > -INFINITY ? first : -1;
     best[r] = nan ? NAN : m;
 }

@@ -292,6 +292,21 @@ int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t 
     return 0;
 }
 
+/* Rows ids[0..n) of the weight a packed [N, K] tensor holds, into out [n, K] (a tied embedding table's
+ * lookup: each row is K/2 pairs 64 bytes apart in the layout, gathered in C instead of torch's advanced
+ * indexing, ~0.1 ms a decode step). Returns 0, or -2 on an id outside [0, N). */
+int packed_rows_bf16(const void *wp, const int64_t *ids, int64_t n, int64_t N, int64_t K, void *out) {
+    const int64_t c = NR * block_panels(N), pairs = K / 2;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -2;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t *block = (const uint32_t *)wp + ids[i] / c * pairs * c + ids[i] % c;
+        uint32_t *row = (uint32_t *)out + i * pairs;
+        for (int64_t kk = 0; kk < pairs; kk++) row[kk] = block[kk * c];
+    }
+    return 0;
+}
+
 #else /* no AVX512-BF16 here: linear.py keeps the stored layout */
 
 int gemm_bf16_available(void) { return 0; }
@@ -305,6 +320,11 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
 int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K, int num_threads,
                    ActRowsFn act_rows) {
     (void)x, (void)wp, (void)act, (void)M, (void)inter, (void)K, (void)num_threads, (void)act_rows;
+    return -1;
+}
+
+int packed_rows_bf16(const void *wp, const int64_t *ids, int64_t n, int64_t N, int64_t K, void *out) {
+    (void)wp, (void)ids, (void)n, (void)N, (void)K, (void)out;
     return -1;
 }
 
