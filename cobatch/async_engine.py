@@ -333,8 +333,10 @@ class AsyncEngine:
             return  # its stream is gone (already failed); nothing to deliver
         if self.metrics is not None and delta.new_token_ids:
             last = stream.last_token_time.get(delta.request_id)
-            if last is not None:
-                self.metrics.record_inter_token_latency(now - last)
+            if last is not None:  # a verified speculative run: its tokens share the gap
+                num_tokens = len(delta.new_token_ids)
+                for _ in range(num_tokens):
+                    self.metrics.record_inter_token_latency((now - last) / num_tokens)
             stream.last_token_time[delta.request_id] = now
         if delta.finished:
             stream.num_unfinished -= 1

@@ -15,6 +15,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--batching", default="continuous", choices=["continuous", "static"])
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="n-gram speculative decoding: draft tokens per greedy row (0: off)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +32,7 @@ def _llm(args: argparse.Namespace):
 
     return LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-               batching=args.batching)
+               batching=args.batching, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def _sampling(args: argparse.Namespace):

@@ -21,6 +21,14 @@ def _positive(name: str, value: int | float | None) -> None:
         raise ValueError(f"{name} must be positive, got {value}")
 
 
+def _check_speculation(num_speculative_tokens: int, lookup_min: int, lookup_max: int) -> None:
+    if num_speculative_tokens < 0:
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+    if not 1 <= lookup_min <= lookup_max:
+        raise ValueError(f"need 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max, got "
+                         f"{lookup_min} and {lookup_max}")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """What the scheduler needs: limits, policies, and the measured pool sizes."""
@@ -40,11 +48,18 @@ class SchedulerConfig:
     # a little before anyone has to be preempted (vLLM's watermark).
     watermark: float = 0.01
     tpot_slo_ms: float | None = None
+    # N-gram speculative decoding (spec_decode.py): drafts per greedy decode row, 0 = off. Not with
+    # static batching or a TPOT SLO (whose step-time model is fit on plain steps).
+    num_speculative_tokens: int = 0
+    ngram_prompt_lookup_min: int = 2
+    ngram_prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_model_len", "tpot_slo_ms"):
             _positive(name, getattr(self, name))
+        _check_speculation(self.num_speculative_tokens, self.ngram_prompt_lookup_min,
+                           self.ngram_prompt_lookup_max)
         if self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
         if not 0.0 <= self.watermark < 1.0:
@@ -90,6 +105,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     tpot_slo_ms: float | None = None
+    num_speculative_tokens: int = 0  # n-gram speculative decoding: drafts per greedy row, 0 = off
+    ngram_prompt_lookup_min: int = 2
+    ngram_prompt_lookup_max: int = 4
     seed: int = 0
     num_threads: int | None = None
 
@@ -97,6 +115,8 @@ class EngineConfig:
         for name in ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "tpot_slo_ms", "num_threads"):
             _positive(name, getattr(self, name))
+        _check_speculation(self.num_speculative_tokens, self.ngram_prompt_lookup_min,
+                           self.ngram_prompt_lookup_max)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
         _one_of("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -121,4 +141,7 @@ class EngineConfig:
             scheduling_policy=self.scheduling_policy,
             preemption_mode=self.preemption_mode,
             tpot_slo_ms=self.tpot_slo_ms,
+            num_speculative_tokens=self.num_speculative_tokens,
+            ngram_prompt_lookup_min=self.ngram_prompt_lookup_min,
+            ngram_prompt_lookup_max=self.ngram_prompt_lookup_max,
         )

@@ -47,6 +47,8 @@ class StepStats:
     kv_usage: float
     num_preempted: int
     num_generated_tokens: int  # useful tokens appended this step
+    num_draft_tokens: int  # speculative drafts fed this step (spec_decode.py)
+    num_accepted_tokens: int  # of which the model agreed with (each saved a step for its row)
     predicted_s: float  # the step-time model's prediction before the step (0 until fitted)
     prefix_cache_hit_rate: float  # cumulative share of looked-up prompt tokens found in the cache
     row_request_ids: tuple[str, ...]  # who occupies each row: the "metro" timeline
@@ -151,6 +153,7 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """Run one iteration over the current batch; returns the deltas it produced."""
         start = time.monotonic()
+        spec_before = (self.scheduler.num_draft_tokens_total, self.scheduler.num_accepted_tokens_total)
         output = self.scheduler.schedule()
         scheduled = time.monotonic()
         predicted_s = self._predict(output)
@@ -162,7 +165,7 @@ class Engine:
         else:
             deltas = self.scheduler.update(output, runner_output)
         end = time.monotonic()
-        self._record(output, deltas, start, scheduled, end, predicted_s)
+        self._record(output, deltas, start, scheduled, end, predicted_s, spec_before)
         self._forget_finished(deltas)
         return deltas
 
@@ -184,7 +187,7 @@ class Engine:
                     del self._unfinished[delta.parent_id]
 
     def _record(self, output: SchedulerOutput, deltas: list[RequestDelta], start: float,
-                scheduled: float, end: float, predicted_s: float) -> None:
+                scheduled: float, end: float, predicted_s: float, spec_before: tuple[int, int]) -> None:
         rows, tokens, context = _shape(output)
         if rows:
             self.step_time_model.observe(rows, tokens, context, end - start)
@@ -204,6 +207,8 @@ class Engine:
             num_kv_blocks_used=sched.block_manager.num_used_blocks,
             kv_usage=sched.block_manager.usage, num_preempted=output.num_preempted,
             num_generated_tokens=sum(len(d.new_token_ids) for d in deltas),
+            num_draft_tokens=sched.num_draft_tokens_total - spec_before[0],
+            num_accepted_tokens=sched.num_accepted_tokens_total - spec_before[1],
             predicted_s=predicted_s,
             prefix_cache_hit_rate=sched.block_manager.prefix_cache_hit_rate,
             row_request_ids=tuple(r.request_id for r in output.rows)))

@@ -37,6 +37,8 @@ class StepStatsLike(Protocol):
     num_decode_tokens: int
     num_preempted: int
     num_generated_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
 
 
 class EngineMetrics:
@@ -80,6 +82,10 @@ class EngineMetrics:
         self.num_preemptions = self._counter("num_preemptions", "Preemptions (recompute or swap).")
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of finished sequences.")
         self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        self.spec_decode_num_draft_tokens = self._counter(
+            "spec_decode_num_draft_tokens", "Speculative draft tokens fed to the model.")
+        self.spec_decode_num_accepted_tokens = self._counter(
+            "spec_decode_num_accepted_tokens", "Speculative draft tokens the model agreed with.")
         self.request_success = Counter(
             "cobatch:request_success", "Finished sequences, by finish reason.",
             ["model_name", "finished_reason"], registry=self.registry)
@@ -123,6 +129,9 @@ class EngineMetrics:
             self.num_preemptions.inc(stats.num_preempted)
         if stats.num_generated_tokens:
             self.generation_tokens.inc(stats.num_generated_tokens)
+        if stats.num_draft_tokens:
+            self.spec_decode_num_draft_tokens.inc(stats.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(stats.num_accepted_tokens)
         now = time.monotonic()
         self._throughput.add(now, stats.num_prefill_tokens, stats.num_generated_tokens,
                              stats.num_preempted)

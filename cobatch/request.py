@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import TokenLogprobs
+from cobatch.spec_decode import NgramIndex
 
 
 class RequestStatus(enum.IntEnum):
@@ -77,6 +78,7 @@ class Request:
     is_padding: bool = False  # static batching: finished, but its row is kept until the batch ends
     # Hashes of the full blocks of token_ids, computed incrementally (prefix caching).
     block_hashes: list[int] = field(default_factory=list)
+    ngram_index: NgramIndex | None = None  # speculative decoding's lookup table, built on first use
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ from cobatch.config import SchedulerConfig
 from cobatch.request import Request, RequestDelta, RequestStatus
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput, TokenLogprobs
 from cobatch.slo import SloStepBudget
+from cobatch.spec_decode import NgramProposer, accepted_tokens
 
 # Predicts a step's seconds from (rows, batched tokens, context tokens): the SLO-bounded batch cap.
 StepTimePredictor = Callable[[int, int, int], float]
@@ -52,6 +53,11 @@ class Scheduler:
         self.swapped: list[Request] = []  # sorted by _order_key
         self.num_preemptions_total = 0
         self.num_slo_capped_steps = 0
+        self.proposer = (NgramProposer(config.num_speculative_tokens, config.ngram_prompt_lookup_min,
+                                       config.ngram_prompt_lookup_max)
+                         if config.num_speculative_tokens and config.batching == "continuous" else None)
+        self.num_draft_tokens_total = 0  # drafts fed to the model
+        self.num_accepted_tokens_total = 0  # of which the model agreed with
 
     # ---- queues --------------------------------------------------------------------------------
 
@@ -119,10 +125,30 @@ class Scheduler:
             if num_new <= 0:  # admitted without budget earlier in a static batch, or no SLO slack
                 i += 1
                 continue
-            if self._allocate_or_preempt(plan, request, num_new):
+            drafts = self._draft(plan, request) if num_new == 1 else ()
+            if drafts and self.block_manager.allocate_slots(request, 1 + len(drafts)):
+                self._add_row(plan, request, 1, drafts)
+                i += 1
+            elif self._allocate_or_preempt(plan, request, num_new):  # drafts never preempt anyone
                 self._add_row(plan, request, num_new)
                 i += 1
             # else: `request` itself was preempted and left `running`; index i now holds the next.
+
+    def _draft(self, plan: _StepPlan, request: Request) -> tuple[int, ...]:
+        """Speculative tokens for a decode row: greedy rows whose logits nothing else changes, within
+        the step's budget, the request's max_tokens (the bonus token still fits) and max_model_len."""
+        params = request.sampling_params
+        if (self.proposer is None or plan.slo is not None or not params.is_greedy or params.has_penalties
+                or params.logit_bias or params.logprobs is not None
+                or request.num_output_tokens < params.min_tokens):
+            return ()
+        room = min(plan.budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.config.max_model_len - request.num_tokens)
+        if room <= 0:
+            return ()
+        if request.ngram_index is None:
+            request.ngram_index = self.proposer.new_index()
+        return self.proposer.propose(request.ngram_index, request.token_ids, room)
 
     def _allocate_or_preempt(self, plan: _StepPlan, request: Request, num_new: int) -> bool:
         """Blocks for `num_new` more tokens, preempting from the tail of `running` until they fit."""
@@ -227,16 +253,17 @@ class Scheduler:
             return None
         return SloStepBudget(self.step_time_predictor, self.config.tpot_slo_ms, self.running)
 
-    def _add_row(self, plan: _StepPlan, request: Request, num_new: int) -> None:
+    def _add_row(self, plan: _StepPlan, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> None:
         end = request.num_computed_tokens + num_new
         plan.rows.append(ScheduledRow(
             request_id=request.request_id, token_ids=request.token_ids,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_computed_tokens=request.num_computed_tokens, num_new_tokens=num_new,
+            num_computed_tokens=request.num_computed_tokens, num_new_tokens=num_new + len(drafts),
             block_table=self.block_manager.block_tables[request.request_id],
-            sampling_params=request.sampling_params, needs_sample=end == request.num_tokens))
-        plan.budget -= num_new
-        plan.num_context_tokens += end
+            sampling_params=request.sampling_params, needs_sample=end == request.num_tokens,
+            spec_token_ids=drafts))
+        plan.budget -= num_new + len(drafts)
+        plan.num_context_tokens += end + len(drafts)
         plan.scheduled.add(request.request_id)
 
     def _add_padding_row(self, plan: _StepPlan, request: Request) -> None:
@@ -262,29 +289,46 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, finish requests: the only place for that."""
         now = time.monotonic()
         deltas: list[RequestDelta] = []
-        samples = iter(zip(runner_output.sampled_token_ids, runner_output.logprobs, strict=True))
+        assert len(runner_output.sampled_token_ids) == len(runner_output.logprobs) \
+            == sum(row.num_samples for row in output.rows), "one sample per sampled position"
+        taken = 0
         for row in output.rows:
-            sample = next(samples) if row.needs_sample else None
+            first, taken = taken, taken + row.num_samples
             request = self.requests.get(row.request_id)
             if request is None or row.is_padding or request.status != RequestStatus.RUNNING:
                 continue  # aborted since scheduling, or a padding row
-            request.num_computed_tokens += row.num_new_tokens
-            if sample is None:
+            if not row.needs_sample:
+                request.num_computed_tokens += row.num_new_tokens
                 self.block_manager.cache_full_blocks(request)
                 continue
-            deltas.append(self._append_sample(request, sample[0], sample[1], now))
+            sampled = list(runner_output.sampled_token_ids[first:taken])
+            tokens = accepted_tokens(row.spec_token_ids, sampled) if row.spec_token_ids else sampled
+            self.num_draft_tokens_total += len(row.spec_token_ids)
+            self.num_accepted_tokens_total += len(tokens) - 1
+            # The fed positions that hold verified tokens: the last known one and the accepted drafts.
+            request.num_computed_tokens += row.num_new_tokens - len(row.spec_token_ids) + len(tokens) - 1
+            deltas.append(self._append_samples(request, tokens, runner_output.logprobs[first:taken], now))
         return deltas
 
-    def _append_sample(self, request: Request, token_id: int, logprobs: TokenLogprobs | None,
-                       now: float) -> RequestDelta:
-        request.append_token(token_id, logprobs, now)
+    def _append_samples(self, request: Request, token_ids: list[int],
+                        logprobs: tuple[TokenLogprobs | None, ...], now: float) -> RequestDelta:
+        """Append a row's new tokens (one, or a verified speculative run) up to the first that stops it."""
+        status = None
+        for num_appended, (token_id, token_logprobs) in enumerate(zip(token_ids, logprobs), start=1):
+            request.append_token(token_id, token_logprobs, now)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                break
+        new_token_ids = tuple(token_ids[:num_appended])
+        # A stop inside a verified run leaves tokens past it computed but dropped.
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         self.block_manager.cache_full_blocks(request)
-        status = request.check_stop(self.config.max_model_len)
         if status is not None:
-            return self._finish(request, status, now, new_token_ids=(token_id,))
+            return self._finish(request, status, now, new_token_ids=new_token_ids)
+        new_logprobs = tuple(lp for lp in logprobs[:num_appended] if lp is not None)
         return RequestDelta(
             request_id=request.request_id, parent_id=request.parent_id, index=request.index,
-            new_token_ids=(token_id,), new_logprobs=(logprobs,) if logprobs else (),
+            new_token_ids=new_token_ids, new_logprobs=new_logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens)
 
@@ -311,7 +355,8 @@ class Scheduler:
             request.is_padding = True  # keeps its row and blocks until the batch's longest ends
         else:
             self._release(request)
-        last_logprobs = request.output_logprobs[-1:] if new_token_ids and request.output_logprobs else []
+        last_logprobs = (request.output_logprobs[-len(new_token_ids):]
+                         if new_token_ids and request.output_logprobs else [])
         return RequestDelta(
             request_id=request.request_id, parent_id=request.parent_id, index=request.index,
             new_token_ids=new_token_ids, new_logprobs=tuple(last_logprobs),

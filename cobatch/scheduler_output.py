@@ -20,6 +20,13 @@ class ScheduledRow:
         token_ids:  [ computed (KV cached) | new this step | not yet (next chunks) ]
                     0                      ^ num_computed_tokens
                                                            ^ num_computed_tokens + num_new_tokens
+
+    A speculative decode row (spec_decode.py) feeds its last token and then its drafts, which are not
+    in token_ids yet; it samples at each of those positions, and the scheduler keeps what verifies:
+
+        token_ids + spec_token_ids:  [ computed | last token, draft 1 .. draft k ]
+                                                ^ num_computed_tokens (= len(token_ids) - 1)
+                                                  num_new_tokens = 1 + k, num_samples = 1 + k
     """
 
     request_id: str
@@ -36,6 +43,12 @@ class ScheduledRow:
     needs_sample: bool
     # A finished request whose row is kept only as padding (static batching): computed, output dropped.
     is_padding: bool = False
+    spec_token_ids: tuple[int, ...] = ()  # draft tokens fed after the known ones (speculative decoding)
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens the runner samples for this row: one per fed position from the last known token on."""
+        return 1 + len(self.spec_token_ids) if self.needs_sample else 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -76,7 +89,7 @@ class TokenLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class RunnerOutput:
-    """What one step produced, aligned with the rows whose `needs_sample` is True, in row order."""
+    """What one step produced: `num_samples` entries per row (rows with needs_sample), in row order."""
 
     sampled_token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs | None, ...]  # None where the request did not ask for logprobs

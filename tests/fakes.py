@@ -52,8 +52,7 @@ class FakeRunner:
         sampled = []
         for row in output.rows:
             self._write_and_check(row)
-            if row.needs_sample:
-                sampled.append(self._sample(row))
+            sampled.extend(self._samples(row))
         return RunnerOutput(tuple(sampled), (None,) * len(sampled))
 
     def _slot(self, block: int, offset: int) -> int:
@@ -64,19 +63,27 @@ class FakeRunner:
         return self._slot(row.block_table[position // self.block_size], position % self.block_size)
 
     def _write_and_check(self, row: ScheduledRow) -> None:
+        tokens = row.token_ids + list(row.spec_token_ids)  # drafts follow the known tokens
         end = row.num_computed_tokens + row.num_new_tokens
-        assert end <= len(row.token_ids), "scheduled past the known tokens"
+        assert end <= len(tokens), "scheduled past the known tokens"
         assert len(row.block_table) * self.block_size >= end, "block table too short"
         if not row.is_padding:  # padding rows' KV writes are discarded by the real runner too
             for pos in range(row.num_computed_tokens, end):
-                self.kv[self._slot_of(row, pos)] = (row.token_ids[pos], pos)
+                self.kv[self._slot_of(row, pos)] = (tokens[pos], pos)
         for pos in range(end):
             got = self.kv.get(self._slot_of(row, pos))
-            assert got == (row.token_ids[pos], pos), (
-                f"{row.request_id}: KV at position {pos} is {got}, expected {(row.token_ids[pos], pos)}")
+            assert got == (tokens[pos], pos), (
+                f"{row.request_id}: KV at position {pos} is {got}, expected {(tokens[pos], pos)}")
 
-    def _sample(self, row: ScheduledRow) -> int:
-        scripted = self.script.get(row.request_id)
-        if scripted and row.num_output_tokens < len(scripted):
-            return scripted[row.num_output_tokens]
-        return next_token(row.token_ids)
+    def _samples(self, row: ScheduledRow) -> list[int]:
+        """The next token after each of the row's last num_samples positions (drafts included)."""
+        tokens = row.token_ids + list(row.spec_token_ids)
+        end = row.num_computed_tokens + row.num_new_tokens
+        return [self._next(row.request_id, tokens[:pos + 1], pos + 1 - row.num_prompt_tokens)
+                for pos in range(end - row.num_samples, end)]
+
+    def _next(self, request_id: str, history: list[int], output_index: int) -> int:
+        scripted = self.script.get(request_id)
+        if scripted and output_index < len(scripted):
+            return scripted[output_index]
+        return next_token(history)

@@ -62,6 +62,28 @@ def test_one_request_streams_its_tokens_and_metrics_see_it() -> None:
     run(main())
 
 
+def test_speculative_runs_stream_several_tokens_and_feed_the_spec_metrics() -> None:
+    def looping_engine() -> Engine:
+        runner = FakeRunner(num_kv_blocks=32, block_size=4, max_model_len=64)
+        runner.script = {"r1": [5, 6, 7, 8, 9] * 8}  # it repeats its prompt: drafts verify
+        return Engine(runner, SchedulerConfig(num_kv_blocks=32, block_size=4, max_model_len=64,
+                                              num_speculative_tokens=3))
+
+    async def main() -> None:
+        metrics = EngineMetrics("fake")
+        engine = await started(looping_engine, metrics=metrics)
+        deltas = await collect(engine.add("r1", PROMPT, params(max_tokens=20)))
+        assert [t for d in deltas for t in d.new_token_ids] == ([5, 6, 7, 8, 9] * 4)
+        assert max(len(d.new_token_ids) for d in deltas) == 4  # a verified run: 3 drafts + the model's token
+        text = metrics.render()[0].decode()
+        assert 'cobatch:generation_tokens_total{model_name="fake"} 20.0' in text
+        assert 'cobatch:spec_decode_num_accepted_tokens_total{model_name="fake"}' in text
+        # every token after the first counts one inter-token gap, also inside a run
+        assert 'cobatch:inter_token_latency_seconds_count{model_name="fake"} 19.0' in text
+        await engine.shutdown()
+    run(main())
+
+
 def test_request_joins_the_running_batch_at_the_next_step() -> None:
     async def main() -> None:
         engine = await started(lambda: make_engine(step_delay_s=0.005))

@@ -53,6 +53,8 @@ CASES = {
     "recompute-pressure": dict(num_kv_blocks=20, preemption_mode="recompute"),
     "swap-pressure": dict(num_kv_blocks=20, preemption_mode="swap", num_swap_blocks=64),
     "static": dict(num_kv_blocks=128, batching="static", max_num_seqs=4),
+    "speculative": dict(num_kv_blocks=128, num_speculative_tokens=3, ngram_prompt_lookup_min=1),
+    "speculative-pressure": dict(num_kv_blocks=20, num_speculative_tokens=2, ngram_prompt_lookup_min=1),
 }
 
 
@@ -68,6 +70,8 @@ def test_engine_greedy_matches_hf(case: str, hf_llama, reference) -> None:
         assert out[f"r{i}"] == expected, f"r{i} diverged in case {case}"
     if "pressure" in case:
         assert engine.scheduler.num_preemptions_total > 0, "the pool was meant to force preemption"
+    if "speculative" in case:  # drafts were fed, and some verified: both paths of update ran
+        assert engine.scheduler.num_draft_tokens_total > engine.scheduler.num_accepted_tokens_total > 0
 
 
 def test_prefix_cache_hit_keeps_greedy_output(hf_llama, reference) -> None:
@@ -122,3 +126,25 @@ def test_default_model_bf16_tokens_are_in_hf_bf16_top5(hf_default_model) -> None
         top5 = logits[len(prompt) - 1:-1].topk(5, dim=-1).indices  # HF's top 5 before each generated token
         misses = [i for i, t in enumerate(generated) if t not in top5[i].tolist()]
         assert not misses, f"tokens {misses} of {generated} are outside HF bf16's top 5"
+
+
+@pytest.mark.slow
+def test_default_model_speculative_decoding_keeps_outputs(hf_default_model) -> None:
+    """The real SmolLM2 with n-gram drafts: fp32 still equals HF token for token; bf16 equals its own
+    plain decoding on the same runner (a row's bits do not depend on the tokens beside it)."""
+    from dataclasses import replace
+
+    from cobatch.llm import LLM
+
+    hf, tok = hf_default_model
+    ids = [tok.encode(t) for t in ["def fibonacci(n):", "1, 2, 3, 4, 5,"]]
+    expected = [hf_greedy(hf, p, 32) for p in ids]
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(dtype=dtype, num_kv_blocks=64, max_model_len=128, block_size=16, num_speculative_tokens=3)
+        speculative = run_greedy(llm.engine, ids, 32)
+        assert llm.engine.scheduler.num_accepted_tokens_total > 0
+        if dtype == "float32":
+            assert [speculative[f"r{i}"] for i in range(len(ids))] == expected
+        else:
+            plain = Engine(llm.engine.runner, replace(llm.engine.config, num_speculative_tokens=0))
+            assert run_greedy(plain, ids, 32) == speculative

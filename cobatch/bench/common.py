@@ -28,6 +28,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int = 16
     group.add_argument("--swap-space", type=float, default=0.5, help="GiB of host memory for swap")
     group.add_argument("--num-threads", type=int, default=None)
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--num-speculative-tokens", type=int, default=0, help="n-gram speculative decoding: draft tokens per greedy row (0: off)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -37,7 +38,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-        num_threads=args.num_threads, seed=args.seed)
+        num_threads=args.num_threads, seed=args.seed, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "mixed64") -> None:

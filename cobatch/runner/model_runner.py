@@ -120,7 +120,7 @@ class ModelRunner:
         with scope("lm_head", self._profiling):
             logits = self.model.compute_logits(hidden)  # [R, V] model dtype
         t2 = time.perf_counter()
-        sampled_rows = [row for row in out.rows if row.needs_sample]
+        sampled_rows = [row for row in out.rows for _ in range(row.num_samples)]  # [R]: logits' rows
         result = self.sampler(logits, sampled_rows, self.eos_token_ids) if sampled_rows else None
         t3 = time.perf_counter()
         self.last_timings = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2}
@@ -167,14 +167,14 @@ def _pair_indices(pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch
 # ---------------------------------------------------------------------------------------- inputs
 
 class Batch:
-    """Flat step inputs: token ids and positions [T], attention metadata, rows to sample [R]."""
+    """Flat step inputs: token ids and positions [T], attention metadata, positions to sample [R]."""
 
     __slots__ = ("input_ids", "positions", "meta", "sample_indices", "sample_tiles")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  sample_indices: torch.Tensor, sample_tiles: torch.Tensor | None = None) -> None:
         self.input_ids, self.positions, self.meta = input_ids, positions, meta
-        self.sample_indices = sample_indices  # [R]: the flat token of each sampled row, in `rows` order
+        self.sample_indices = sample_indices  # [R]: the flat token of each sample (rows' num_samples), in `rows` order
         # [R, 4] (native attention only): each sampled token alone as an attention tile over its row's
         # blocks (row, its index in sample_indices, 1, context): the last layer attends for just these.
         self.sample_tiles = sample_tiles
@@ -202,7 +202,9 @@ def _prepare_any(rows: Sequence[ScheduledRow], block_size: int, device: torch.de
     token_ids: list[int] = []
     for r in ordered:
         assert r.num_new_tokens > 0, f"row {r.request_id} schedules no tokens"
-        token_ids.extend(r.token_ids[r.num_computed_tokens:r.num_computed_tokens + r.num_new_tokens])
+        num_known = r.num_new_tokens - len(r.spec_token_ids)
+        token_ids.extend(r.token_ids[r.num_computed_tokens:r.num_computed_tokens + num_known])
+        token_ids.extend(r.spec_token_ids)  # speculative drafts follow the known tokens
     starts = torch.tensor([r.num_computed_tokens for r in ordered])  # [R]
     counts = torch.tensor([r.num_new_tokens for r in ordered])  # [R]
     ends = torch.cumsum(counts, 0)  # [R]: one past each row's last token in the flat batch
@@ -220,16 +222,20 @@ def _prepare_any(rows: Sequence[ScheduledRow], block_size: int, device: torch.de
         meta.tiles = make_tiles(starts, counts, attention_kernel.tile_tokens).to(device)  # [N, 4]
     else:
         _add_torch_metadata(meta, block_tables, starts, counts, ends, block_size, device)
+    # One entry per sampled position, in `rows` order: a row samples its last num_samples tokens (one,
+    # or its last known token and each draft of a speculative row).
     position_in_order = {row_index: k for k, row_index in enumerate(order)}
-    sampled = torch.tensor([position_in_order[i] for i, r in enumerate(rows) if r.needs_sample],
-                           dtype=torch.int64)  # [R]: flat row of each sampled row
+    sampled = torch.tensor([position_in_order[i] for i, r in enumerate(rows) for _ in range(r.num_samples)],
+                           dtype=torch.int64)  # [S]: the ordered row of each sample
+    before_last = torch.tensor([r.num_samples - 1 - j for r in rows for j in range(r.num_samples)],
+                               dtype=torch.int64)  # [S]: tokens between the sampled one and its row's last
+    context = starts[sampled] + counts[sampled] - before_last  # [S]: the sampled token's position + 1
     sample_tiles = None
     if attention_kernel is not None:
-        context = starts[sampled] + counts[sampled]  # the sampled (last) token's position + 1
         sample_tiles = torch.stack([sampled, torch.arange(len(sampled)), torch.ones_like(sampled), context],
                                    dim=1).to(device)
     return Batch(torch.tensor(token_ids, device=device), positions.to(device), meta,
-                 (ends[sampled] - 1).to(device), sample_tiles)
+                 (ends[sampled] - 1 - before_last).to(device), sample_tiles)
 
 
 def _prepare_decode(rows: Sequence[ScheduledRow], block_size: int, device: torch.device,

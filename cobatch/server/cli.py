@@ -71,6 +71,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     add("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     add("--tpot-slo-ms", type=float, default=None)
+    add("--num-speculative-tokens", type=int, default=0, help="n-gram speculative decoding: draft tokens per greedy row (0: off)")
+    add("--ngram-prompt-lookup-min", type=int, default=2, help="shortest tail n-gram looked up for drafts")
+    add("--ngram-prompt-lookup-max", type=int, default=4, help="longest tail n-gram looked up for drafts")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     add("--seed", type=int, default=0)
@@ -88,7 +91,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching, tpot_slo_ms=args.tpot_slo_ms,
-        seed=args.seed, num_threads=args.num_threads)
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_prompt_lookup_min=args.ngram_prompt_lookup_min,
+        ngram_prompt_lookup_max=args.ngram_prompt_lookup_max, seed=args.seed, num_threads=args.num_threads)
 
 
 def _default_served_name(model: str | None) -> str:
