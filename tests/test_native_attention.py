@@ -188,23 +188,27 @@ def test_kernel_matches_torch_path(dtype: torch.dtype, atol: float, heads: tuple
 @needs_kernel
 def test_decode_step_inputs_match_the_general_path() -> None:
     """A step of decode rows only builds its inputs from Python lists (_prepare_decode): the same tensors
-    as the vectorized path, for rows at block boundaries, with spare blocks, and some not sampling."""
+    as the vectorized path, for rows at block boundaries, with spare blocks, some not sampling, some with
+    speculative drafts (then every fed position samples)."""
     gen = torch.Generator().manual_seed(0)
-    for _ in range(50):
+    for trial in range(60):
         rows = []
         for i in range(int(torch.randint(1, 40, (1,), generator=gen))):
             computed = int(torch.randint(0, 70, (1,), generator=gen))
+            drafts = tuple(range(int(torch.randint(0, 5, (1,), generator=gen)) if trial % 2 else 0))
             spare = int(torch.randint(0, 3, (1,), generator=gen))
-            table = torch.randint(0, 500, (computed // 16 + 1 + spare,), generator=gen).tolist()
-            rows.append(ScheduledRow(f"r{i}", list(range(computed + 1)), max(1, computed - 2), computed, 1, table,
-                                     SamplingParams(), needs_sample=bool(torch.rand(1, generator=gen) < 0.8)))
+            table = torch.randint(0, 500, ((computed + len(drafts)) // 16 + 1 + spare,), generator=gen).tolist()
+            rows.append(ScheduledRow(f"r{i}", list(range(computed + 1)), max(1, computed - 2), computed,
+                                     1 + len(drafts), table, SamplingParams(), spec_token_ids=drafts,
+                                     needs_sample=bool(drafts) or bool(torch.rand(1, generator=gen) < 0.8)))
         fast = prepare_batch(rows, 16, torch.device("cpu"), KERNEL, scratch_slot=10_000)
         general = _prepare_any(rows, 16, torch.device("cpu"), KERNEL, scratch_slot=10_000)
         for name in ("input_ids", "positions", "sample_indices", "sample_tiles"):
             assert torch.equal(getattr(fast, name), getattr(general, name)), name
         for name in ("slot_mapping", "block_tables", "tiles"):
             assert torch.equal(getattr(fast.meta, name), getattr(general.meta, name)), name
-        assert fast.meta.num_decode_tokens == general.meta.num_decode_tokens == len(rows)
+        assert fast.meta.num_decode_tokens == general.meta.num_decode_tokens
+        assert len(fast.sample_indices) == sum(r.num_samples for r in rows)
 
 
 @needs_kernel

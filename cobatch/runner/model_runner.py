@@ -188,7 +188,9 @@ def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.d
     block other requests share; in bf16 the recomputed K/V can differ in the low bits, so their writes
     go to `scratch_slot` (a block the scheduler never hands out) instead.
     """
-    if attention_kernel is not None and all(r.num_new_tokens == 1 and not r.is_padding for r in rows):
+    if attention_kernel is not None and all(  # one known token per row (and its drafts): decode
+            r.num_new_tokens == 1 + len(r.spec_token_ids) <= attention_kernel.tile_tokens and not r.is_padding
+            for r in rows):
         return _prepare_decode(rows, block_size, device, attention_kernel)
     return _prepare_any(rows, block_size, device, attention_kernel, scratch_slot)
 
@@ -240,24 +242,34 @@ def _prepare_any(rows: Sequence[ScheduledRow], block_size: int, device: torch.de
 
 def _prepare_decode(rows: Sequence[ScheduledRow], block_size: int, device: torch.device,
                     attention_kernel: AttentionKernel) -> Batch:
-    """prepare_batch for a step of decode rows only (no padding), native attention: the same tensors,
-    built from Python lists in one pass. Why: at batch 32 the general path's ~20 small torch ops took
-    ~0.25 ms, ~0.55 ms inside a running engine (cold caches after the forward), every decode step."""
-    token_ids, positions, slots, tables, tiles, sampled, sample_tiles = [], [], [], [], [], [], []
-    width = max(r.num_computed_tokens // block_size + 1 for r in rows)
-    for i, r in enumerate(rows):
-        position = r.num_computed_tokens
-        block = position // block_size
-        assert len(r.block_table) > block, f"row {r.request_id}: block table shorter than its tokens"
-        token_ids.append(r.token_ids[position])
-        positions.append(position)
-        slots.append(r.block_table[block] * block_size + position % block_size)
-        tables.append(r.block_table[:block + 1] + [0] * (width - block - 1))
-        tiles.append((i, i, 1, position + 1))
-        if r.needs_sample:
-            sample_tiles.append((i, len(sampled), 1, position + 1))
-            sampled.append(i)
-    meta = AttentionMetadata(slot_mapping=_ints(slots, device), num_decode_tokens=len(rows))
+    """prepare_batch for a step of decode rows only (no padding; each maybe with speculative drafts),
+    native attention: the same tensors as _prepare_any, built from Python lists in one pass. Why: at
+    batch 32 the general path's ~20 small torch ops took ~0.25 ms, ~0.55 ms inside a running engine
+    (cold caches after the forward), every decode step."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i].num_new_tokens != 1)  # as _prepare_any orders
+    ordered_row = {i: k for k, i in enumerate(order)}
+    token_ids, positions, slots, tables, tiles, flat_start = [], [], [], [], [], {}
+    width = max((r.num_computed_tokens + r.num_new_tokens - 1) // block_size + 1 for r in rows)
+    for k, i in enumerate(order):
+        r = rows[i]
+        first, last = r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens - 1  # positions fed
+        assert len(r.block_table) > last // block_size, f"row {r.request_id}: block table shorter than its tokens"
+        flat_start[i] = len(token_ids)
+        tiles.append((k, len(token_ids), r.num_new_tokens, first + 1))
+        token_ids.append(r.token_ids[first])
+        token_ids.extend(r.spec_token_ids)
+        for position in range(first, last + 1):
+            positions.append(position)
+            slots.append(r.block_table[position // block_size] * block_size + position % block_size)
+        tables.append(r.block_table[:last // block_size + 1] + [0] * (width - last // block_size - 1))
+    sampled, sample_tiles = [], []
+    for i, r in enumerate(rows):  # samples in `rows` order: a row's last num_samples positions
+        end = flat_start[i] + r.num_new_tokens
+        for flat in range(end - r.num_samples, end):
+            sample_tiles.append((ordered_row[i], len(sampled), 1, positions[flat] + 1))
+            sampled.append(flat)
+    meta = AttentionMetadata(slot_mapping=_ints(slots, device),
+                             num_decode_tokens=sum(1 for r in rows if r.num_new_tokens == 1))
     meta.kernel = attention_kernel
     meta.block_tables, meta.tiles = _ints(tables, device), _ints(tiles, device)
     return Batch(_ints(token_ids, device), _ints(positions, device), meta, _ints(sampled, device),
