@@ -75,4 +75,10 @@ def test_workload_runs_report_each_the_best_and_the_median(capsys: pytest.Captur
     assert out["tokens_per_s"] == max(rates) and out["median_tokens_per_s"] == sorted(rates)[1]
     assert out["share_of_ceiling"] == pytest.approx(max(rates) / out["ceiling_tokens_per_s"])
     printed = capsys.readouterr().out
-    assert printed.count("(run ") == 3 and "best of 3 runs" in printed
+    assert printed.count("(run ") == 3 and "best of 3 runs" in printed and "speculative" not in out
+    # with drafts: plain and speculative runs alternate against the same ceiling, reported apart
+    args.num_speculative_tokens, args.runs = 2, 2
+    out = run_against_ceiling(args, runner, cost, Machine(gemm_flops_per_s=1e12, read_bytes_per_s=1e11))
+    assert len(out["runs_tokens_per_s"]) == len(out["speculative"]["runs_tokens_per_s"]) == 2
+    assert out["speculative"]["num_speculative_tokens"] == 2
+    assert capsys.readouterr().out.count("(run ") == 4
