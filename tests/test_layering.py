@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "cobatch"
 
 CORE = {"cobatch.request", "cobatch.block_manager", "cobatch.scheduler", "cobatch.cost_model",
-        "cobatch.slo"}
+        "cobatch.slo", "cobatch.spec_decode"}
 CONTRACTS = {"cobatch.config", "cobatch.sampling_params", "cobatch.scheduler_output"}
 
 # module (or package prefix) -> imports it must not make (a prefix forbids the whole package)
