@@ -17,7 +17,7 @@ from cobatch.config import SchedulerConfig
 from cobatch.request import Request, RequestDelta, RequestStatus
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput, TokenLogprobs
 from cobatch.slo import SloStepBudget
-from cobatch.spec_decode import NgramProposer, accepted_tokens
+from cobatch.spec_decode import NgramProposer, accepted_tokens, min_acceptance, record_verification
 
 # Predicts a step's seconds from (rows, batched tokens, context tokens): the SLO-bounded batch cap.
 StepTimePredictor = Callable[[int, int, int], float]
@@ -148,6 +148,8 @@ class Scheduler:
             return ()
         if request.ngram_index is None:
             request.ngram_index = self.proposer.new_index()
+        if request.ngram_index.acceptance < min_acceptance(len(self.running)):
+            return ()  # its drafts have been wrong too often to pay at this batch size
         return self.proposer.propose(request.ngram_index, request.token_ids, room)
 
     def _allocate_or_preempt(self, plan: _StepPlan, request: Request, num_new: int) -> bool:
@@ -303,8 +305,10 @@ class Scheduler:
                 continue
             sampled = list(runner_output.sampled_token_ids[first:taken])
             tokens = accepted_tokens(row.spec_token_ids, sampled) if row.spec_token_ids else sampled
-            self.num_draft_tokens_total += len(row.spec_token_ids)
-            self.num_accepted_tokens_total += len(tokens) - 1
+            if row.spec_token_ids and request.ngram_index is not None:
+                self.num_draft_tokens_total += len(row.spec_token_ids)
+                self.num_accepted_tokens_total += len(tokens) - 1
+                record_verification(request.ngram_index, len(row.spec_token_ids), len(tokens) - 1)
             # The fed positions that hold verified tokens: the last known one and the accepted drafts.
             request.num_computed_tokens += row.num_new_tokens - len(row.spec_token_ids) + len(tokens) - 1
             deltas.append(self._append_samples(request, tokens, runner_output.logprobs[first:taken], now))

@@ -11,7 +11,7 @@ import pytest
 from cobatch.config import SchedulerConfig
 from cobatch.engine import Engine
 from cobatch.sampling_params import SamplingParams
-from cobatch.spec_decode import NgramIndex, NgramProposer, accepted_tokens
+from cobatch.spec_decode import NgramIndex, NgramProposer, accepted_tokens, min_acceptance
 from tests.fakes import FakeRunner
 from tests.test_scheduler import Deltas, expected, params, prompt, run, tokens_of
 
@@ -135,3 +135,24 @@ def test_only_plain_greedy_continuous_rows_draft() -> None:
         engine.add_request("r0", loop_prompt, params(20))
         run(engine)
         assert engine.scheduler.num_draft_tokens_total == 0, options
+
+
+def test_sequences_whose_drafts_keep_failing_stop_drafting_in_large_batches() -> None:
+    """A rejected draft is a row computed in vain: in a large (compute-bound) batch a sequence drafts only
+    while most of its drafts verify; alone (bandwidth-bound) it keeps drafting."""
+    misleading = [t for k in range(7, 40) for t in (5, 6, k)]  # (5, 6) recurs, followed by a new token
+
+    def drafts_per_request(num_requests: int) -> tuple[float, int]:
+        script = {f"r{i}": misleading for i in range(num_requests)}
+        engine = make_engine(num_kv_blocks=1024, num_speculative_tokens=3, script=script)
+        for i in range(num_requests):
+            engine.add_request(f"r{i}", [7, 8], params(60))
+        out = run(engine)
+        assert all(tokens_of(out[f"r{i}"]) == misleading[:60] for i in range(num_requests))
+        scheduler = engine.scheduler
+        return scheduler.num_draft_tokens_total / num_requests, scheduler.num_accepted_tokens_total
+
+    alone, _ = drafts_per_request(1)
+    crowded, accepted = drafts_per_request(40)
+    assert accepted == 0 and alone >= 30 and crowded <= 3
+    assert min_acceptance(1) == 0.0 and min_acceptance(64) == 0.75
