@@ -135,11 +135,11 @@ class Scheduler:
             # else: `request` itself was preempted and left `running`; index i now holds the next.
 
     def _draft(self, plan: _StepPlan, request: Request) -> tuple[int, ...]:
-        """Speculative tokens for a decode row: greedy rows whose logits nothing else changes, within
-        the step's budget, the request's max_tokens (the bonus token still fits) and max_model_len."""
+        """Speculative tokens for a decode row: greedy rows whose logits do not depend on the tokens before
+        them (no penalties; past min_tokens; logit bias and logprobs are per position and fine), within the
+        step's budget, the request's max_tokens (the bonus token still fits) and max_model_len."""
         params = request.sampling_params
         if (self.proposer is None or plan.slo is not None or not params.is_greedy or params.has_penalties
-                or params.logit_bias or params.logprobs is not None
                 or request.num_output_tokens < params.min_tokens):
             return ()
         room = min(plan.budget - 1, request.max_tokens - request.num_output_tokens - 1,

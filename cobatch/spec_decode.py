@@ -11,7 +11,8 @@ or itself (code edits, extraction, summaries, and the loops small models fall in
 Exact: a greedy row keeps the drafts that equal the model's own argmax at each position, up to the first
 mismatch, plus the model's token there (the "bonus" token), which is what k + 1 plain decode steps
 would have produced: attention and GEMMs give a row's logits the same bits whatever the tokens beside it
-(the determinism tests check this). Only greedy rows without penalties, logit bias or logprobs draft.
+(the determinism tests check this). Only greedy rows without penalties (which depend on the tokens before a position) draft; logit bias
+and logprobs are per position, so a verified run has the logprobs plain decoding would give.
 """
 
 from __future__ import annotations

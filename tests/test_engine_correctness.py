@@ -84,6 +84,33 @@ def test_prefix_cache_hit_keeps_greedy_output(hf_llama, reference) -> None:
     assert engine.scheduler.block_manager.num_cache_hits > 0
 
 
+def test_speculative_rows_with_logprobs_and_logit_bias_match_plain_decoding(hf_llama) -> None:
+    """Logit bias and logprobs are per position, so such rows draft too: the same tokens and, at every
+    position of a verified run, the same logprobs as plain decoding."""
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3,
+                            logit_bias={7: 2.0, 11: -1.0})
+    results = {}
+    for k in (0, 3):
+        engine = Engine(runner_for(hf_llama, num_kv_blocks=128, block_size=4),
+                        SchedulerConfig(num_kv_blocks=128, block_size=4, max_model_len=64,
+                                        num_speculative_tokens=k, ngram_prompt_lookup_min=1))
+        for i, p in enumerate(prompts(4, 256)):
+            engine.add_request(f"r{i}", p, params)
+        deltas = []
+        while engine.has_unfinished_requests():
+            deltas.extend(engine.step())
+        results[k] = {i: ([t for d in deltas if d.request_id == f"r{i}" for t in d.new_token_ids],
+                          [lp for d in deltas if d.request_id == f"r{i}" for lp in d.new_logprobs]) for i in range(4)}
+        if k:
+            assert engine.scheduler.num_accepted_tokens_total > 0
+    for i in range(4):
+        (plain_tokens, plain_lps), (spec_tokens, spec_lps) = results[0][i], results[3][i]
+        assert spec_tokens == plain_tokens and len(spec_lps) == len(plain_lps) == NEW_TOKENS
+        for a, b in zip(spec_lps, plain_lps):
+            assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank, [t for t, _ in b.top])
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
 @pytest.mark.slow
 def test_default_model_under_preemption_matches_hf(hf_default_model) -> None:
     """The real SmolLM2 in fp32, a pool too small for the batch, both preemption modes."""

@@ -121,10 +121,10 @@ def test_drafts_never_preempt_and_pressure_keeps_outputs() -> None:
     assert engine.scheduler.num_draft_tokens_total > 0
 
 
-def test_only_plain_greedy_continuous_rows_draft() -> None:
+def test_only_greedy_rows_without_penalties_draft_and_only_continuous() -> None:
     loop_prompt = [11, 12, 13, 14] * 3
     cases = [SamplingParams(temperature=0.7, max_tokens=20), params(20, presence_penalty=0.5),
-             params(20, logprobs=2), params(20, logit_bias={5: 1.0}), params(20, min_tokens=20)]
+             params(20, repetition_penalty=1.2), params(20, min_tokens=20)]
     for sampling in cases:
         engine = make_engine(num_speculative_tokens=3, script={"r0": LOOP})
         engine.add_request("r0", loop_prompt, sampling)
