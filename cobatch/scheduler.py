@@ -17,7 +17,7 @@ from cobatch.config import SchedulerConfig
 from cobatch.request import Request, RequestDelta, RequestStatus
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput, TokenLogprobs
 from cobatch.slo import SloStepBudget
-from cobatch.spec_decode import NgramProposer, accepted_tokens, min_acceptance, record_verification
+from cobatch.spec_decode import NgramProposer, accepted_tokens, min_acceptance
 
 # Predicts a step's seconds from (rows, batched tokens, context tokens): the SLO-bounded batch cap.
 StepTimePredictor = Callable[[int, int, int], float]
@@ -308,7 +308,7 @@ class Scheduler:
             if row.spec_token_ids and request.ngram_index is not None:
                 self.num_draft_tokens_total += len(row.spec_token_ids)
                 self.num_accepted_tokens_total += len(tokens) - 1
-                record_verification(request.ngram_index, len(row.spec_token_ids), len(tokens) - 1)
+                request.ngram_index.record(len(row.spec_token_ids), len(tokens) - 1)
             # The fed positions that hold verified tokens: the last known one and the accepted drafts.
             request.num_computed_tokens += row.num_new_tokens - len(row.spec_token_ids) + len(tokens) - 1
             deltas.append(self._append_samples(request, tokens, runner_output.logprobs[first:taken], now))

@@ -10,9 +10,10 @@ or itself (code edits, extraction, summaries, and the loops small models fall in
 
 Exact: a greedy row keeps the drafts that equal the model's own argmax at each position, up to the first
 mismatch, plus the model's token there (the "bonus" token), which is what k + 1 plain decode steps
-would have produced: attention and GEMMs give a row's logits the same bits whatever the tokens beside it
-(the determinism tests check this). Only greedy rows without penalties (which depend on the tokens before a position) draft; logit bias
-and logprobs are per position, so a verified run has the logprobs plain decoding would give.
+would have produced. In bf16 the native kernels give a row's logits the same bits whatever the tokens
+beside it (the determinism tests check this); fp32 is checked against HF. Only greedy rows without
+penalties (which depend on the tokens before a position) draft; logit bias and logprobs are per
+position, so a verified run has the logprobs plain decoding would give.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ class NgramIndex:
         """Share of this sequence's drafts that verified, with an optimistic prior (2 of 2): a new
         sequence drafts until its own record says otherwise."""
         return (self.num_accepted + 2) / (self.num_drafted + 2)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One verification of this sequence's drafts (its acceptance decides whether it drafts in large
+        batches: min_acceptance)."""
+        self.num_drafted += num_drafts
+        self.num_accepted += num_accepted
 
     def extend(self, token_ids: list[int]) -> None:
         """Add the n-grams ending at tokens num_indexed .. len - 2."""
@@ -88,12 +95,6 @@ class NgramProposer:
         """Drafts to follow token_ids (at most max_tokens, which the caller bounds by budget and limits)."""
         limit = min(self.num_speculative_tokens, max_tokens)
         return tuple(index.continuation(token_ids, limit)) if limit > 0 else ()
-
-
-def record_verification(index: NgramIndex, num_drafts: int, num_accepted: int) -> None:
-    """Keep a sequence's draft record (its acceptance decides whether it drafts in large batches)."""
-    index.num_drafted += num_drafts
-    index.num_accepted += num_accepted
 
 
 def accepted_tokens(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:

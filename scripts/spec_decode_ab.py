@@ -28,8 +28,8 @@ QUESTIONS = ["Explain how a refrigerator works.", "Write a short poem about the 
 
 def chat_requests() -> list[BenchRequest]:
     tokenizer = Tokenizer.load(None)
-    return [BenchRequest(200, prompt_token_ids=tuple(tokenizer.apply_chat_template([{"role": "user", "content": q}])))
-            for q in QUESTIONS * 4]
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS * 4]
+    return [BenchRequest(200, prompt_token_ids=tuple(tokenizer.apply_chat_template(c))) for c in conversations]
 
 
 def run_once(factory: EngineFactory, requests: list[BenchRequest], max_num_seqs: int) -> dict:

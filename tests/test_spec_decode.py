@@ -68,7 +68,8 @@ def make_engine(num_kv_blocks: int = 64, block_size: int = 4, max_model_len: int
     return Engine(runner, config)
 
 
-def outputs(speculative_tokens: int, requests: list[tuple[list[int], int]], script=None, **kw) -> tuple[Deltas, Engine]:
+def outputs(speculative_tokens: int, requests: list[tuple[list[int], int]], script=None,
+            **kw) -> tuple[Deltas, Engine]:
     engine = make_engine(num_speculative_tokens=speculative_tokens, script=script, **kw)
     for i, (p, n) in enumerate(requests):
         engine.add_request(f"r{i}", p, params(n))

@@ -28,7 +28,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int = 16
     group.add_argument("--swap-space", type=float, default=0.5, help="GiB of host memory for swap")
     group.add_argument("--num-threads", type=int, default=None)
     group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--num-speculative-tokens", type=int, default=0, help="n-gram speculative decoding: draft tokens per greedy row (0: off)")
+    group.add_argument("--num-speculative-tokens", type=int, default=0,
+                       help="n-gram speculative decoding: draft tokens per greedy row (0: off)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

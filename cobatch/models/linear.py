@@ -68,7 +68,6 @@ class PackedGemm:
             raise RuntimeError(f"gemm_bf16 failed with status {status}")
         return out
 
-
     def rows(self, ids: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight `packed` holds (an embedding lookup): [*ids.shape, K]."""
         out_features, in_features = packed_shape(packed)

@@ -174,7 +174,8 @@ class Batch:
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  sample_indices: torch.Tensor, sample_tiles: torch.Tensor | None = None) -> None:
         self.input_ids, self.positions, self.meta = input_ids, positions, meta
-        self.sample_indices = sample_indices  # [R]: the flat token of each sample (rows' num_samples), in `rows` order
+        # [R]: the flat token of each sample, in `rows` order (a row's last num_samples tokens)
+        self.sample_indices = sample_indices
         # [R, 4] (native attention only): each sampled token alone as an attention tile over its row's
         # blocks (row, its index in sample_indices, 1, context): the last layer attends for just these.
         self.sample_tiles = sample_tiles

@@ -71,7 +71,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     add("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     add("--tpot-slo-ms", type=float, default=None)
-    add("--num-speculative-tokens", type=int, default=0, help="n-gram speculative decoding: draft tokens per greedy row (0: off)")
+    add("--num-speculative-tokens", type=int, default=0,
+        help="n-gram speculative decoding: draft tokens per greedy row (0: off)")
     add("--ngram-prompt-lookup-min", type=int, default=2, help="shortest tail n-gram looked up for drafts")
     add("--ngram-prompt-lookup-max", type=int, default=4, help="longest tail n-gram looked up for drafts")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
