@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from bisect import insort
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from cobatch.block_manager import BlockManager
@@ -125,7 +125,7 @@ class Scheduler:
             if num_new <= 0:  # admitted without budget earlier in a static batch, or no SLO slack
                 i += 1
                 continue
-            drafts = self._draft(plan, request) if num_new == 1 else ()
+            drafts = self._draft(plan, request) if num_new == 1 and self.proposer is not None else ()
             if drafts and self.block_manager.allocate_slots(request, 1 + len(drafts)):
                 self._add_row(plan, request, 1, drafts)
                 i += 1
@@ -291,45 +291,59 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, finish requests: the only place for that."""
         now = time.monotonic()
         deltas: list[RequestDelta] = []
-        assert len(runner_output.sampled_token_ids) == len(runner_output.logprobs) \
-            == sum(row.num_samples for row in output.rows), "one sample per sampled position"
+        samples, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
         taken = 0
         for row in output.rows:
-            first, taken = taken, taken + row.num_samples
+            first = taken
+            if row.needs_sample:
+                taken += 1 + len(row.spec_token_ids)  # row.num_samples
             request = self.requests.get(row.request_id)
             if request is None or row.is_padding or request.status != RequestStatus.RUNNING:
                 continue  # aborted since scheduling, or a padding row
             if not row.needs_sample:
                 request.num_computed_tokens += row.num_new_tokens
                 self.block_manager.cache_full_blocks(request)
-                continue
-            sampled = list(runner_output.sampled_token_ids[first:taken])
-            tokens = accepted_tokens(row.spec_token_ids, sampled) if row.spec_token_ids else sampled
-            if row.spec_token_ids and request.ngram_index is not None:
-                self.num_draft_tokens_total += len(row.spec_token_ids)
-                self.num_accepted_tokens_total += len(tokens) - 1
-                request.ngram_index.record(len(row.spec_token_ids), len(tokens) - 1)
-            # The fed positions that hold verified tokens: the last known one and the accepted drafts.
-            request.num_computed_tokens += row.num_new_tokens - len(row.spec_token_ids) + len(tokens) - 1
-            deltas.append(self._append_samples(request, tokens, runner_output.logprobs[first:taken], now))
+            elif not row.spec_token_ids:
+                request.num_computed_tokens += row.num_new_tokens
+                deltas.append(self._append_sample(request, samples[first], logprobs[first], now))
+            else:
+                deltas.append(self._verify(request, row, samples[first:taken], logprobs[first:taken], now))
+        assert taken == len(samples) == len(logprobs), "one sample per sampled position"
         return deltas
 
-    def _append_samples(self, request: Request, token_ids: list[int],
-                        logprobs: tuple[TokenLogprobs | None, ...], now: float) -> RequestDelta:
-        """Append a row's new tokens (one, or a verified speculative run) up to the first that stops it."""
-        status = None
-        for num_appended, (token_id, token_logprobs) in enumerate(zip(token_ids, logprobs), start=1):
+    def _append_sample(self, request: Request, token_id: int, logprobs: TokenLogprobs | None,
+                       now: float) -> RequestDelta:
+        request.append_token(token_id, logprobs, now)
+        self.block_manager.cache_full_blocks(request)
+        status = request.check_stop(self.config.max_model_len)
+        if status is not None:
+            return self._finish(request, status, now, new_token_ids=(token_id,))
+        return self._delta(request, (token_id,), (logprobs,) if logprobs else ())
+
+    def _verify(self, request: Request, row: ScheduledRow, sampled: Sequence[int],
+                logprobs: Sequence[TokenLogprobs | None], now: float) -> RequestDelta:
+        """A speculative row: keep the verified run, token by token up to the first that stops it."""
+        drafts = row.spec_token_ids
+        tokens = accepted_tokens(drafts, list(sampled))
+        self.num_draft_tokens_total += len(drafts)
+        self.num_accepted_tokens_total += len(tokens) - 1
+        if request.ngram_index is not None:
+            request.ngram_index.record(len(drafts), len(tokens) - 1)
+        # The fed positions that hold verified tokens: the last known one and the accepted drafts.
+        request.num_computed_tokens += row.num_new_tokens - len(drafts) + len(tokens) - 1
+        for num_appended, (token_id, token_logprobs) in enumerate(zip(tokens, logprobs), start=1):
             request.append_token(token_id, token_logprobs, now)
             status = request.check_stop(self.config.max_model_len)
-            if status is not None:
-                break
-        new_token_ids = tuple(token_ids[:num_appended])
-        # A stop inside a verified run leaves tokens past it computed but dropped.
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            if status is not None:  # the tokens past the stop are dropped, computed or not
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+                self.block_manager.cache_full_blocks(request)
+                return self._finish(request, status, now, new_token_ids=tuple(tokens[:num_appended]))
         self.block_manager.cache_full_blocks(request)
-        if status is not None:
-            return self._finish(request, status, now, new_token_ids=new_token_ids)
-        new_logprobs = tuple(lp for lp in logprobs[:num_appended] if lp is not None)
+        return self._delta(request, tuple(tokens), tuple(lp for lp in logprobs[:len(tokens)] if lp is not None))
+
+    @staticmethod
+    def _delta(request: Request, new_token_ids: tuple[int, ...],
+               new_logprobs: tuple[TokenLogprobs, ...]) -> RequestDelta:
         return RequestDelta(
             request_id=request.request_id, parent_id=request.parent_id, index=request.index,
             new_token_ids=new_token_ids, new_logprobs=new_logprobs,
