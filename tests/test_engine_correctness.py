@@ -55,6 +55,8 @@ CASES = {
     "static": dict(num_kv_blocks=128, batching="static", max_num_seqs=4),
     "speculative": dict(num_kv_blocks=128, num_speculative_tokens=3, ngram_prompt_lookup_min=1),
     "speculative-pressure": dict(num_kv_blocks=20, num_speculative_tokens=2, ngram_prompt_lookup_min=1),
+    "speculative-swap-pressure": dict(num_kv_blocks=20, preemption_mode="swap", num_swap_blocks=64,
+                                      num_speculative_tokens=2, ngram_prompt_lookup_min=1),
 }
 
 

@@ -135,7 +135,9 @@ def main(args: argparse.Namespace) -> int:
         for result in last:
             print_run(result)
         print(f"continuous / static useful tokens/s: {report['ratio']:.2f}x "
-              f"(pairs: {', '.join(f'{r:.2f}' for r in report['pair_ratios'])})")
+              f"(pairs: {', '.join(f'{r:.2f}' for r in report['pair_ratios'])})"
+              + (f"; continuous with {config.num_speculative_tokens} speculative tokens, static never drafts"
+                 if config.num_speculative_tokens else ""))
     else:
         engine = factory.make(batching=args.batching, tpot_slo_ms=args.tpot_slo_ms)
         result = run_workload(engine, requests)
