@@ -102,9 +102,12 @@ class LLM:
         wall = stats[-1].start_time + stats[-1].duration_s - stats[0].start_time
         generated = sum(s.num_generated_tokens for s in stats)
         rows = sum(s.num_rows for s in stats) / len(stats)
+        scheduler = self.engine.scheduler
+        drafts = (f", {scheduler.num_accepted_tokens_total} of {scheduler.num_draft_tokens_total} speculative "
+                  f"drafts accepted" if scheduler.num_draft_tokens_total else "")
         return (f"{len(stats)} steps, {generated} tokens generated in {wall:.2f} s "
                 f"({generated / wall:.1f} tok/s), mean batch {rows:.1f} rows, "
-                f"{self.engine.scheduler.num_preemptions_total} preemptions")
+                f"{scheduler.num_preemptions_total} preemptions{drafts}")
 
     # ---- internals -----------------------------------------------------------------------------
 
