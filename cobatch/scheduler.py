@@ -294,9 +294,7 @@ class Scheduler:
         samples, logprobs = runner_output.sampled_token_ids, runner_output.logprobs
         taken = 0
         for row in output.rows:
-            first = taken
-            if row.needs_sample:
-                taken += 1 + len(row.spec_token_ids)  # row.num_samples
+            first, taken = taken, taken + row.num_samples
             request = self.requests.get(row.request_id)
             if request is None or row.is_padding or request.status != RequestStatus.RUNNING:
                 continue  # aborted since scheduling, or a padding row

@@ -54,10 +54,8 @@ def main() -> None:
     workloads = {"mixed64": (synthesize(preset("mixed64")), (64, 4, 1)), "chat": (chat_requests(), (32, 4))}
     rows = []
     for name, (requests, batch_sizes) in workloads.items():
-        if 1 in batch_sizes:  # one request at a time: the 4 first long ones keep it short
-            requests_b1 = [r for r in requests if r.max_tokens >= 128][:4]
-        for max_num_seqs in batch_sizes:
-            reqs = requests_b1 if max_num_seqs == 1 else requests
+        for max_num_seqs in batch_sizes:  # one request at a time: its 4 first long ones keep it short
+            reqs = [r for r in requests if r.max_tokens >= 128][:4] if max_num_seqs == 1 else requests
             runs = {"plain": [], "speculative": []}
             for _ in range(args.repeats):
                 for label, factory in (("plain", plain), ("speculative", speculative)):
