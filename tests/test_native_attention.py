@@ -100,6 +100,26 @@ def test_kernel_matches_reference(dtype: torch.dtype, heads: tuple[int, int, int
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ramp", ["up", "scattered"])
+def test_kernel_matches_reference_over_a_wide_score_range(dtype: torch.dtype, ramp: str) -> None:
+    """Scores spanning hundreds of e-folds, whose max keeps growing along the context ("up": keys scaled
+    by their slot, so later blocks win) or jumps at random blocks: the kernel's lazy rescaling must raise
+    its reference max (and rescale what it has accumulated) whenever a score passes it by more than
+    2^8 in weight; random unit-scale data never gets there after the first chunk."""
+    case = Case(torch.float32, (9, 3, 64), 16, MIXED_ROWS + [(150, 1), (0, 90)])
+    num_blocks = case.k_cache.shape[0]
+    gen = torch.Generator().manual_seed(7)
+    factor = (torch.arange(num_blocks) / 2 + 1 if ramp == "up"
+              else torch.rand(num_blocks, generator=gen) * 60 + 1)
+    case.k_cache = (case.k_cache * factor.view(-1, 1, 1, 1)).to(dtype)
+    case.v_cache, case.q = case.v_cache.to(dtype), case.q.to(dtype)
+    want = case.reference()
+    assert float(want.isnan().sum()) == 0
+    torch.testing.assert_close(case.kernel().double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@needs_kernel
 @pytest.mark.parametrize("seed", range(4))
 def test_kernel_random_ragged_batches(seed: int) -> None:
     gen = torch.Generator().manual_seed(100 + seed)
