@@ -4,6 +4,8 @@ over a cached prefix and fresh prompts; and it steps aside wherever it cannot ru
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from cobatch.models import llama as llama_module
 from cobatch.models.linear import is_gate_up_packed, is_packed, native_gemm
 from cobatch.models.loader import build_model
 from cobatch.models.model_config import ModelConfig
+from cobatch.models.native import load_library
 from cobatch.models.native_decoder import NativeDecoder
 from cobatch.runner.model_runner import ModelRunner, prepare_batch
 from cobatch.scheduler_output import SchedulerOutput
@@ -91,6 +94,27 @@ def test_fused_gate_up_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> N
         hidden, cache = _forward(fused, out, native)
         ref_hidden, ref_cache = _forward(plain, out, native)
         assert torch.equal(hidden, ref_hidden) and torch.equal(cache, ref_cache)
+
+
+@needs_kernels
+def test_kernel_timers_build_times_every_kernel_and_changes_no_bits() -> None:
+    """decoder.c built with -DKERNEL_TIMERS (scripts/kernel_timers.py) sums each kernel's wall time into
+    kernel_seconds and computes what the engine's build does; the engine's build has no timers."""
+    runner = _runner("llama", intermediate_size=96)
+    out = _mixed_step(runner)
+    plain = runner.model.native_decoder
+    timed_lib = load_library("decoder", ("-DKERNEL_TIMERS",))
+    assert timed_lib is not None and not hasattr(load_library("decoder"), "kernel_seconds")
+    seconds = (ctypes.c_double * 9).in_dll(timed_lib, "kernel_seconds")
+    before = list(seconds)
+    runner.model.native_decoder = NativeDecoder(runner.model, timed_lib)
+    try:
+        hidden, cache = _forward(runner, out, native=True)
+    finally:
+        runner.model.native_decoder = plain
+    ref_hidden, ref_cache = _forward(runner, out, native=True)
+    assert torch.equal(hidden, ref_hidden) and torch.equal(cache, ref_cache)
+    assert all(after > b for after, b in zip(seconds, before))
 
 
 @needs_kernels

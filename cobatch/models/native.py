@@ -92,20 +92,21 @@ def native_disabled() -> bool:
     return os.environ.get(_DISABLE_ENV, "") not in ("", "0") or platform.system() != "Linux"
 
 
-def load_library(name: str) -> ctypes.CDLL | None:
-    """csrc/<name>.c built and loaded; None when native code is disabled or the build fails."""
+def load_library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """csrc/<name>.c built and loaded; None when native code is disabled or the build fails. extra_flags
+    (e.g. -DKERNEL_TIMERS for decoder.c's timers) make a build of their own."""
     if native_disabled():
         return None
     try:
-        return ctypes.CDLL(str(build_library(_CSRC / f"{name}.c")))
+        return ctypes.CDLL(str(build_library(_CSRC / f"{name}.c", extra_flags)))
     except (OSError, subprocess.SubprocessError):
         return None
 
 
-def build_library(source_path: Path) -> Path:
+def build_library(source_path: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile to a cache path keyed by source, flags and CPU; reuse it when present."""
-    source = source_path.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    source, flags = source_path.read_bytes(), (*_FLAGS, *extra_flags)
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source_path.stem}-{key}.so"
     if target.exists():
         return target
@@ -115,7 +116,7 @@ def build_library(source_path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(source_path), "-o", str(built), "-lm"], check=True,
+        subprocess.run([compiler, *flags, str(source_path), "-o", str(built), "-lm"], check=True,
                        capture_output=True, timeout=_COMPILE_TIMEOUT_S)
         os.replace(built, target)  # atomic: concurrent builders never load a half-written file
     return target

@@ -22,6 +22,25 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Wall time per kernel, summed over layers and calls, when built with -DKERNEL_TIMERS (scripts/
+ * kernel_timers.py does; the torch profiler sees only the Python layer loop). Compiled out otherwise.
+ * kernel_seconds: norm, qkv, rope, write_kv, attention (with the last layer's gather of the kept rows),
+ * o_proj, post-attention norm, gate/up (with SiLU), down: TIMER_NAMES in the script. */
+#ifdef KERNEL_TIMERS
+#include <omp.h>
+double kernel_seconds[9];
+static double timer_last;
+#define TIMER_START() (timer_last = omp_get_wtime())
+#define TIMER(i)                                                   \
+    do {                                                           \
+        double now_ = omp_get_wtime();                             \
+        kernel_seconds[i] += now_ - timer_last, timer_last = now_; \
+    } while (0)
+#else
+#define TIMER_START() ((void)0)
+#define TIMER(i) ((void)0)
+#endif
+
 typedef int (*GemmFn)(const void *x, const void *packed, const void *bias, void *y, int64_t m, int64_t n,
                       int64_t k, int threads);
 typedef void (*NormFn)(const void *x, void *residual, const void *weight, void *out, int64_t rows,
@@ -97,9 +116,13 @@ static int layer_forward(const Kernels *k, const Shape *s, const Layer *l, const
     int64_t T = st->num_tokens;
     int status;
     k->add_rms_norm(first ? NULL : b->x, b->residual, l->input_norm, b->h, T, H, s->eps, 1);
+    TIMER(0);
     if ((status = k->gemm(b->h, l->qkv, l->qkv_bias, b->qkv, T, qkv_width, H, threads))) return status;
+    TIMER(1);
     k->rope(b->qkv, st->cos, st->sin, st->positions, T, qkv_width, nh + kvh, hd, 1);
+    TIMER(2);
     write_kv(s, l, st, b->qkv, qkv_width);
+    TIMER(3);
     const void *q = b->qkv;
     const int64_t *tiles = st->tiles;
     int64_t num_tiles = st->num_tiles;
@@ -114,15 +137,21 @@ static int layer_forward(const Kernels *k, const Shape *s, const Layer *l, const
     if ((status = k->attention(q, qkv_width, l->k_cache, l->v_cache, st->block_tables, st->max_blocks, tiles,
                                (int)num_tiles, b->attn, (int)nh, (int)kvh, (int)hd, (int)s->block_size, s->scale)))
         return status;
+    TIMER(4);
     if ((status = k->gemm(b->attn, l->o, l->o_bias, b->x, T, H, nh * hd, threads))) return status;
+    TIMER(5);
     k->add_rms_norm(b->x, residual, l->post_norm, b->h, T, H, s->eps, 1);
+    TIMER(6);
     if (s->fused_mlp) {
         if ((status = k->gemm_silu(b->h, l->gate_up, b->act, T, s->inter, H, threads, k->act_rows))) return status;
     } else {
         if ((status = k->gemm(b->h, l->gate_up, NULL, b->gate_up, T, 2 * s->inter, H, threads))) return status;
         k->silu_mul(b->gate_up, b->act, T, s->inter, 1);
     }
-    return k->gemm(b->act, l->down, NULL, b->x, T, H, s->inter, threads);
+    TIMER(7);
+    status = k->gemm(b->act, l->down, NULL, b->x, T, H, s->inter, threads);
+    TIMER(8);
+    return status;
 }
 
 /* All layers of one step (bf16). Returns 0, or the status of the first failing kernel (paged attention:
@@ -130,6 +159,7 @@ static int layer_forward(const Kernels *k, const Shape *s, const Layer *l, const
 int decoder_forward(const Kernels *k, const Shape *s, const Layer *layers, int num_layers, const Step *st,
                     const Buffers *b, int threads) {
     if (st->num_tokens <= 0) return 0;
+    TIMER_START();
     for (int i = 0; i < num_layers; i++) {
         int status = layer_forward(k, s, &layers[i], st, b, i == 0, i == num_layers - 1, threads);
         if (status) return status;

@@ -1,0 +1,76 @@
+"""Where a bf16 step's time goes inside the C layer loop the engine runs: wall time per kernel (input
+norm, QKV GEMM, RoPE, K/V write, attention, o_proj, post-attention norm, gate/up GEMM with SiLU, down GEMM),
+summed over the layers, from csrc/decoder.c built with -DKERNEL_TIMERS; and the step's time outside the
+loop (embedding, lm_head, sampling, input preparation). `cobatch bench steps --profile` labels the same
+parts through the torch profiler, which runs the Python layer loop instead of the C one.
+
+    .venv/bin/python scripts/kernel_timers.py        # decode B=1,32,64 at context 256; a 12 x 170 prefill
+    .venv/bin/python scripts/kernel_timers.py 32:256 8:1024 prefill:1:2048
+
+Arguments: B:CTX (decode rows with CTX cached tokens each) or prefill:N:L (N fresh prompts of L tokens).
+Not a benchmark of record: a tool for kernel work (run it alone; the machine is shared).
+"""
+from __future__ import annotations
+
+import ctypes
+import statistics
+import sys
+import time
+
+from cobatch.bench.steps import GREEDY, decode_step
+from cobatch.config import EngineConfig
+from cobatch.models.native import load_library
+from cobatch.models.native_decoder import NativeDecoder
+from cobatch.runner.model_runner import ModelRunner
+from cobatch.scheduler_output import ScheduledRow, SchedulerOutput
+
+TIMER_NAMES = ("norm", "qkv", "rope", "write_kv", "attention", "o_proj", "post_norm", "gate_up+silu", "down")
+REPS = 20
+
+
+def prefill_step(num_prompts: int, length: int, block_size: int) -> SchedulerOutput:
+    blocks = -(-length // block_size)
+    return SchedulerOutput(rows=tuple(
+        ScheduledRow(request_id=f"p{i}", token_ids=[1000 + (7 * j + i) % 30000 for j in range(length)],
+                     num_prompt_tokens=length, num_computed_tokens=0, num_new_tokens=length,
+                     block_table=list(range(i * blocks, (i + 1) * blocks)), sampling_params=GREEDY,
+                     needs_sample=True)
+        for i in range(num_prompts)))
+
+
+def parse(arg: str, runner: ModelRunner) -> tuple[str, SchedulerOutput]:
+    if arg.startswith("prefill:"):
+        n, length = (int(v) for v in arg.split(":")[1:])
+        return f"prefill {n} x {length}", prefill_step(n, length, runner.block_size)
+    batch_size, context = (int(v) for v in arg.split(":"))
+    return f"decode B={batch_size} ctx={context}", decode_step(batch_size, context, runner.block_size,
+                                                               runner.num_kv_blocks)
+
+
+def main() -> None:
+    args = sys.argv[1:] or ["1:256", "32:256", "64:256", "prefill:12:170"]
+    runner = ModelRunner.load(EngineConfig(dtype="bfloat16", max_num_batched_tokens=8192))
+    lib = load_library("decoder", ("-DKERNEL_TIMERS",))
+    if runner.model.native_decoder is None or lib is None:
+        raise SystemExit("the C layer loop is not available here (bf16 with the native kernels)")
+    runner.model.native_decoder = NativeDecoder(runner.model, lib)
+    seconds = (ctypes.c_double * len(TIMER_NAMES)).in_dll(lib, "kernel_seconds")
+    for arg in args:
+        name, step = parse(arg, runner)
+        runner.execute(step)  # warm-up
+        for i in range(len(TIMER_NAMES)):
+            seconds[i] = 0.0
+        reps = REPS if name.startswith("decode") else 3
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            runner.execute(step)
+            times.append(time.perf_counter() - start)
+        step_ms, loop_ms = 1000 * sum(times) / reps, 1000 * sum(seconds) / reps
+        print(f"{name}: step {step_ms:.2f} ms (median {1000 * statistics.median(times):.2f}), "
+              f"layer loop {loop_ms:.2f}, outside it {step_ms - loop_ms:.2f}")
+        print("   " + "  ".join(f"{n} {1000 * s / reps:.2f}" for n, s in zip(TIMER_NAMES, seconds)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
