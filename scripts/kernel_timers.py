@@ -12,19 +12,15 @@ Not a benchmark of record: a tool for kernel work (run it alone; the machine is 
 """
 from __future__ import annotations
 
-import ctypes
 import statistics
 import sys
 import time
 
 from cobatch.bench.steps import GREEDY, decode_step
 from cobatch.config import EngineConfig
-from cobatch.models.native import load_library
-from cobatch.models.native_decoder import NativeDecoder
 from cobatch.runner.model_runner import ModelRunner
 from cobatch.scheduler_output import ScheduledRow, SchedulerOutput
 
-TIMER_NAMES = ("norm", "qkv", "rope", "write_kv", "attention", "o_proj", "post_norm", "gate_up+silu", "down")
 REPS = 20
 
 
@@ -50,26 +46,26 @@ def parse(arg: str, runner: ModelRunner) -> tuple[str, SchedulerOutput]:
 def main() -> None:
     args = sys.argv[1:] or ["1:256", "32:256", "64:256", "prefill:12:170"]
     runner = ModelRunner.load(EngineConfig(dtype="bfloat16", max_num_batched_tokens=8192))
-    lib = load_library("decoder", ("-DKERNEL_TIMERS",))
-    if runner.model.native_decoder is None or lib is None:
+    decoder = runner.model.native_decoder
+    timed = decoder.with_timers() if decoder is not None else None
+    if timed is None:
         raise SystemExit("the C layer loop is not available here (bf16 with the native kernels)")
-    runner.model.native_decoder = NativeDecoder(runner.model, lib)
-    seconds = (ctypes.c_double * len(TIMER_NAMES)).in_dll(lib, "kernel_seconds")
+    runner.model.native_decoder = timed
     for arg in args:
         name, step = parse(arg, runner)
         runner.execute(step)  # warm-up
-        for i in range(len(TIMER_NAMES)):
-            seconds[i] = 0.0
+        timed.take_kernel_seconds()
         reps = REPS if name.startswith("decode") else 3
         times = []
         for _ in range(reps):
             start = time.perf_counter()
             runner.execute(step)
             times.append(time.perf_counter() - start)
-        step_ms, loop_ms = 1000 * sum(times) / reps, 1000 * sum(seconds) / reps
+        kernels = timed.take_kernel_seconds()
+        step_ms, loop_ms = 1000 * sum(times) / reps, 1000 * sum(kernels.values()) / reps
         print(f"{name}: step {step_ms:.2f} ms (median {1000 * statistics.median(times):.2f}), "
               f"layer loop {loop_ms:.2f}, outside it {step_ms - loop_ms:.2f}")
-        print("   " + "  ".join(f"{n} {1000 * s / reps:.2f}" for n, s in zip(TIMER_NAMES, seconds)), flush=True)
+        print("   " + "  ".join(f"{n} {1000 * s / reps:.2f}" for n, s in kernels.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ over a cached prefix and fresh prompts; and it steps aside wherever it cannot ru
 
 from __future__ import annotations
 
-import ctypes
+import time
 
 import pytest
 import torch
@@ -13,8 +13,7 @@ from cobatch.models import llama as llama_module
 from cobatch.models.linear import is_gate_up_packed, is_packed, native_gemm
 from cobatch.models.loader import build_model
 from cobatch.models.model_config import ModelConfig
-from cobatch.models.native import load_library
-from cobatch.models.native_decoder import NativeDecoder
+from cobatch.models.native_decoder import KERNEL_TIMERS, NativeDecoder
 from cobatch.runner.model_runner import ModelRunner, prepare_batch
 from cobatch.scheduler_output import SchedulerOutput
 from tests.runner_helpers import BlockAllocator, Seq, step, tiny_hf_model
@@ -97,24 +96,42 @@ def test_fused_gate_up_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @needs_kernels
-def test_kernel_timers_build_times_every_kernel_and_changes_no_bits() -> None:
-    """decoder.c built with -DKERNEL_TIMERS (scripts/kernel_timers.py) sums each kernel's wall time into
-    kernel_seconds and computes what the engine's build does; the engine's build has no timers."""
+def test_twin_with_kernel_timers_times_every_kernel_and_changes_no_bits() -> None:
+    """with_timers(): decoder.c built with -DKERNEL_TIMERS sums each kernel's wall time and computes what the
+    engine's build does; take_kernel_seconds zeroes the sums; the engine's build has no timers."""
     runner = _runner("llama", intermediate_size=96)
     out = _mixed_step(runner)
     plain = runner.model.native_decoder
-    timed_lib = load_library("decoder", ("-DKERNEL_TIMERS",))
-    assert timed_lib is not None and not hasattr(load_library("decoder"), "kernel_seconds")
-    seconds = (ctypes.c_double * 9).in_dll(timed_lib, "kernel_seconds")
-    before = list(seconds)
-    runner.model.native_decoder = NativeDecoder(runner.model, timed_lib)
+    timed = plain.with_timers()
+    assert timed is not None and plain.take_kernel_seconds() == {}
+    timed.take_kernel_seconds()
+    runner.model.native_decoder = timed
     try:
         hidden, cache = _forward(runner, out, native=True)
     finally:
         runner.model.native_decoder = plain
     ref_hidden, ref_cache = _forward(runner, out, native=True)
     assert torch.equal(hidden, ref_hidden) and torch.equal(cache, ref_cache)
-    assert all(after > b for after, b in zip(seconds, before))
+    seconds = timed.take_kernel_seconds()
+    assert list(seconds) == list(KERNEL_TIMERS) and all(s > 0 for s in seconds.values())
+    assert all(s == 0 for s in timed.take_kernel_seconds().values())
+
+
+@needs_kernels
+def test_profile_step_times_the_c_loop_kernels() -> None:
+    """A bf16 runner on the native loop profiles a step with its kernel timers: every part measured, the
+    parts adding up to the step, and the engine's own decoder back in place."""
+    runner = _runner("llama", intermediate_size=96)
+    decoder = runner.model.native_decoder
+    out = _mixed_step(runner)
+    start = time.perf_counter()
+    parts = runner.profile_step(out)
+    elapsed = time.perf_counter() - start
+    assert set(parts) == {"prepare", "norm", "qkv_proj+rope", "attention", "o_proj", "mlp", "lm_head", "other",
+                          "sample"}
+    assert all(parts[name] > 0 for name in ("norm", "qkv_proj+rope", "attention", "o_proj", "mlp", "lm_head"))
+    assert sum(parts.values()) <= elapsed
+    assert runner.model.native_decoder is decoder and not decoder.take_kernel_seconds()
 
 
 @needs_kernels

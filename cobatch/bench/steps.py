@@ -166,9 +166,10 @@ def breakdown(runner: Runner, batch_size: int, context_len: int, block_size: int
 
 def print_breakdown(batch_size: int, context_len: int, parts: dict[str, float]) -> None:
     total = sum(parts.values())
-    print(f"  B={batch_size} ctx={context_len}: {1000 * total:.1f} ms under the profiler "
-          "(its own overhead inflates many-small-op parts; a profiled step runs the layer loop in "
-          "Python for its labels, unprofiled bf16 steps run it in C)")
+    how = ("under the torch profiler (the Python layer loop with labels; the profiler's own overhead "
+           "inflates many-small-op parts)" if "embed+rope_tables" in parts
+           else "with the C layer loop's kernel timers (other: embedding and Python glue)")
+    print(f"  B={batch_size} ctx={context_len}: {1000 * total:.1f} ms {how}")
     for part, seconds in parts.items():
         print(f"    {part:>18} {1000 * seconds:8.2f} ms  {100 * seconds / total:5.1f}%")
 

@@ -40,6 +40,9 @@ _Step = _struct("Step", [(n, _I64) for n in ("num_tokens", "max_blocks", "num_ti
                                       "cos", "sin")])
 _Buffers = _struct("Buffers", [(n, _PTR) for n in ("residual", "x", "h", "qkv", "attn", "gate_up", "act",
                                                   "residual_keep", "q_keep")])
+# decoder.c's kernel_seconds in a -DKERNEL_TIMERS build, in its order (attention with the last layer's
+# gather of the kept rows, gate/up with its SiLU).
+KERNEL_TIMERS = ("norm", "qkv", "rope", "write_kv", "attention", "o_proj", "post_norm", "gate_up+silu", "down")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -56,7 +59,7 @@ class NativeDecoder:
 
     def __init__(self, model: LlamaForCausalLM, lib: ctypes.CDLL) -> None:
         c = model.config
-        self._model = model
+        self._model, self._lib = model, lib
         self._fn = lib.decoder_forward
         self._fn.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Shape), ctypes.POINTER(_Layer),
                              ctypes.c_int, ctypes.POINTER(_Step), ctypes.POINTER(_Buffers), ctypes.c_int]
@@ -87,6 +90,23 @@ class NativeDecoder:
             return None
         lib = load_library("decoder")
         return None if lib is None else cls(model, lib)
+
+    def with_timers(self) -> NativeDecoder | None:
+        """A twin on decoder.c built with -DKERNEL_TIMERS (its own cached build): the same kernels and
+        bits, plus each kernel's wall time (take_kernel_seconds). None where that build fails."""
+        lib = load_library("decoder", ("-DKERNEL_TIMERS",))
+        return None if lib is None else NativeDecoder(self._model, lib)
+
+    def take_kernel_seconds(self) -> dict[str, float]:
+        """Seconds per kernel (KERNEL_TIMERS), summed over layers and calls since the last take, which
+        zeroes them (the sums are the library's, shared by its decoders); empty without timers."""
+        try:
+            sums = (ctypes.c_double * len(KERNEL_TIMERS)).in_dll(self._lib, "kernel_seconds")
+        except ValueError:  # the engine's build: no such symbol
+            return {}
+        taken = dict(zip(KERNEL_TIMERS, sums))
+        ctypes.memset(sums, 0, ctypes.sizeof(sums))
+        return taken
 
     def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: Sequence[KVCache], keep: torch.Tensor | None = None,

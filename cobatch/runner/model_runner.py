@@ -20,6 +20,7 @@ from cobatch.models.llama import LlamaForCausalLM, scope
 from cobatch.models.loader import load_model, release_freed_heap, resolve_model_path
 from cobatch.models.model_config import ModelConfig
 from cobatch.models.native import load_attention_kernel
+from cobatch.models.native_decoder import NativeDecoder
 from cobatch.runner.sampler import Sampler
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
 
@@ -60,6 +61,7 @@ class ModelRunner:
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests make steps fail
         self.last_timings: dict[str, float] = {}
         self._profiling = False  # set only inside profile_step
+        self._timed_decoder: NativeDecoder | None = None  # profile_step's twin of the C layer loop
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelRunner:
@@ -117,23 +119,35 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches, self._profiling,
                             batch.sample_indices, batch.sample_tiles)  # [R, H]: the rows that sample
+        t_logits = time.perf_counter()
         with scope("lm_head", self._profiling):
             logits = self.model.compute_logits(hidden)  # [R, V] model dtype
         t2 = time.perf_counter()
         sampled_rows = [row for row in out.rows for _ in range(row.num_samples)]  # [R]: logits' rows
         result = self.sampler(logits, sampled_rows, self.eos_token_ids) if sampled_rows else None
         t3 = time.perf_counter()
-        self.last_timings = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2}
+        self.last_timings = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2,
+                             "lm_head_s": t2 - t_logits}
         if result is None:
             return RunnerOutput((), ())
         return RunnerOutput(tuple(result.token_ids), tuple(result.logprobs))
 
     def profile_step(self, out: SchedulerOutput) -> dict[str, float]:
-        """Execute `out` once under the torch profiler: seconds per part of the step, summed over layers.
+        """Execute `out` once, timed by part: seconds per part of the step, summed over layers.
 
-        Parts: prepare (inputs + metadata), each labelled part of the forward (models/llama.py scopes),
-        lm_head, sample, and "other" (the forward's time outside any label: Python glue, residual views).
+        Parts: prepare (inputs + metadata), norm, qkv_proj+rope, attention (with the K/V write), o_proj,
+        mlp, lm_head, sample, and "other" (the forward's time outside those: embedding, Python glue).
+        Where the layer loop runs in C (bf16 on the native kernels) its kernels are timed there, by a
+        -DKERNEL_TIMERS build of the same code; elsewhere the torch profiler times the labelled parts of
+        the Python layer loop (models/llama.py scopes, "embed+rope_tables" too), whose own overhead
+        inflates the many small ops.
         """
+        decoder = self.model.native_decoder
+        if decoder is not None:
+            if self._timed_decoder is None:
+                self._timed_decoder = decoder.with_timers()
+            if self._timed_decoder is not None:
+                return self._profile_native(out, decoder, self._timed_decoder)
         from torch.profiler import ProfilerActivity, profile
 
         self._profiling = True
@@ -148,6 +162,22 @@ class ModelRunner:
         parts["other"] = max(0.0, self.last_timings["forward_s"] - sum(labelled.values()))
         parts["sample"] = self.last_timings["sample_s"]
         return parts
+
+    def _profile_native(self, out: SchedulerOutput, decoder: NativeDecoder,
+                        timed: NativeDecoder) -> dict[str, float]:
+        """profile_step with the C layer loop's kernel timers (timed: decoder's twin with timers)."""
+        timed.take_kernel_seconds()  # from zero
+        self.model.native_decoder = timed
+        try:
+            self.execute(out)
+        finally:
+            self.model.native_decoder = decoder
+        k, t = timed.take_kernel_seconds(), self.last_timings
+        forward = {"norm": k["norm"] + k["post_norm"], "qkv_proj+rope": k["qkv"] + k["rope"],
+                   "attention": k["write_kv"] + k["attention"], "o_proj": k["o_proj"],
+                   "mlp": k["gate_up+silu"] + k["down"], "lm_head": t["lm_head_s"]}
+        other = max(0.0, t["forward_s"] - sum(forward.values()))
+        return {"prepare": t["prepare_s"], **forward, "other": other, "sample": t["sample_s"]}
 
     def _swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         # Out first: this step's swap-ins and rows may reuse the device blocks just freed.
