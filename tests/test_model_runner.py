@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -101,6 +102,18 @@ def test_padding_row_writes_no_kv(hf_model) -> None:
     assert runner.execute(SchedulerOutput((padding,))).sampled_token_ids == ()
     assert torch.equal(runner.kv_cache[:, :, :runner.num_kv_blocks], shifted)
     assert not torch.equal(shifted, before)
+
+
+def test_last_timings_are_disjoint_parts_of_the_step(hf_model) -> None:
+    """prepare, forward, lm_head and sample do not overlap (bench offline --profile adds them up)."""
+    runner = runner_for(hf_model)
+    seq = BlockAllocator(runner.block_size).seq("r0", PROMPTS[0], 20)
+    start = time.perf_counter()
+    step(runner, [(seq, None)])
+    elapsed = time.perf_counter() - start
+    parts = runner.last_timings
+    assert set(parts) == {"prepare_s", "forward_s", "lm_head_s", "sample_s"}
+    assert all(seconds > 0 for seconds in parts.values()) and sum(parts.values()) <= elapsed
 
 
 def test_profile_step_splits_the_step_by_part(hf_model) -> None:

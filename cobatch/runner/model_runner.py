@@ -111,7 +111,7 @@ class ModelRunner:
         if self.fault_hook is not None:
             self.fault_hook(out)
         self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
-        self.last_timings = {"prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0}
+        self.last_timings = {"prepare_s": 0.0, "forward_s": 0.0, "lm_head_s": 0.0, "sample_s": 0.0}
         if not out.rows:
             return RunnerOutput((), ())
         t0 = time.perf_counter()
@@ -119,15 +119,16 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches, self._profiling,
                             batch.sample_indices, batch.sample_tiles)  # [R, H]: the rows that sample
-        t_logits = time.perf_counter()
+        t2 = time.perf_counter()
         with scope("lm_head", self._profiling):
             logits = self.model.compute_logits(hidden)  # [R, V] model dtype
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         sampled_rows = [row for row in out.rows for _ in range(row.num_samples)]  # [R]: logits' rows
         result = self.sampler(logits, sampled_rows, self.eos_token_ids) if sampled_rows else None
-        t3 = time.perf_counter()
-        self.last_timings = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": t3 - t2,
-                             "lm_head_s": t2 - t_logits}
+        t4 = time.perf_counter()
+        # Disjoint parts of the step (bench offline --profile sums them over a run).
+        self.last_timings = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "lm_head_s": t3 - t2,
+                             "sample_s": t4 - t3}
         if result is None:
             return RunnerOutput((), ())
         return RunnerOutput(tuple(result.token_ids), tuple(result.logprobs))
@@ -159,7 +160,8 @@ class ModelRunner:
         parts = {"prepare": self.last_timings["prepare_s"]}
         labelled = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key in PROFILE_SCOPES}
         parts.update({name: labelled.get(name, 0.0) for name in PROFILE_SCOPES})
-        parts["other"] = max(0.0, self.last_timings["forward_s"] - sum(labelled.values()))
+        forward_s = self.last_timings["forward_s"] + self.last_timings["lm_head_s"]  # lm_head is labelled too
+        parts["other"] = max(0.0, forward_s - sum(labelled.values()))
         parts["sample"] = self.last_timings["sample_s"]
         return parts
 
@@ -173,11 +175,12 @@ class ModelRunner:
         finally:
             self.model.native_decoder = decoder
         k, t = timed.take_kernel_seconds(), self.last_timings
-        forward = {"norm": k["norm"] + k["post_norm"], "qkv_proj+rope": k["qkv"] + k["rope"],
-                   "attention": k["write_kv"] + k["attention"], "o_proj": k["o_proj"],
-                   "mlp": k["gate_up+silu"] + k["down"], "lm_head": t["lm_head_s"]}
-        other = max(0.0, t["forward_s"] - sum(forward.values()))
-        return {"prepare": t["prepare_s"], **forward, "other": other, "sample": t["sample_s"]}
+        loop = {"norm": k["norm"] + k["post_norm"], "qkv_proj+rope": k["qkv"] + k["rope"],
+                "attention": k["write_kv"] + k["attention"], "o_proj": k["o_proj"],
+                "mlp": k["gate_up+silu"] + k["down"]}
+        other = max(0.0, t["forward_s"] - sum(loop.values()))
+        return {"prepare": t["prepare_s"], **loop, "lm_head": t["lm_head_s"], "other": other,
+                "sample": t["sample_s"]}
 
     def _swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         # Out first: this step's swap-ins and rows may reuse the device blocks just freed.

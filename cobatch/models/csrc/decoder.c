@@ -22,10 +22,11 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Wall time per kernel, summed over layers and calls, when built with -DKERNEL_TIMERS (scripts/
- * kernel_timers.py does; the torch profiler sees only the Python layer loop). Compiled out otherwise.
- * kernel_seconds: norm, qkv, rope, write_kv, attention (with the last layer's gather of the kept rows),
- * o_proj, post-attention norm, gate/up (with SiLU), down: TIMER_NAMES in the script. */
+/* Wall time per kernel, summed over layers and calls, when built with -DKERNEL_TIMERS (NativeDecoder.
+ * with_timers does, for `bench steps --profile` and scripts/kernel_timers.py: the torch profiler would
+ * see only the Python layer loop). Compiled out otherwise. kernel_seconds: norm, qkv, rope, write_kv,
+ * attention (with the last layer's gather of the kept rows), o_proj, post-attention norm, gate/up (with
+ * SiLU), down: native_decoder.py's KERNEL_TIMERS. */
 #ifdef KERNEL_TIMERS
 #include <omp.h>
 double kernel_seconds[9];
