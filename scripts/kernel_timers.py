@@ -16,22 +16,12 @@ import statistics
 import sys
 import time
 
-from cobatch.bench.steps import GREEDY, decode_step
+from cobatch.bench.steps import decode_step, prefill_step
 from cobatch.config import EngineConfig
 from cobatch.runner.model_runner import ModelRunner
-from cobatch.scheduler_output import ScheduledRow, SchedulerOutput
+from cobatch.scheduler_output import SchedulerOutput
 
 REPS = 20
-
-
-def prefill_step(num_prompts: int, length: int, block_size: int) -> SchedulerOutput:
-    blocks = -(-length // block_size)
-    return SchedulerOutput(rows=tuple(
-        ScheduledRow(request_id=f"p{i}", token_ids=[1000 + (7 * j + i) % 30000 for j in range(length)],
-                     num_prompt_tokens=length, num_computed_tokens=0, num_new_tokens=length,
-                     block_table=list(range(i * blocks, (i + 1) * blocks)), sampling_params=GREEDY,
-                     needs_sample=True)
-        for i in range(num_prompts)))
 
 
 def parse(arg: str, runner: ModelRunner) -> tuple[str, SchedulerOutput]:

@@ -5,8 +5,7 @@ import sys, time, statistics, os
 import torch
 from cobatch.config import EngineConfig
 from cobatch.runner.model_runner import ModelRunner
-from cobatch.bench.steps import decode_step, GREEDY
-from cobatch.scheduler_output import ScheduledRow, SchedulerOutput
+from cobatch.bench.steps import decode_step, prefill_step
 prof = "--profile" in sys.argv
 eager_ops = "--eager-ops" in sys.argv  # the torch path of norm/rope/SiLU instead of the fused kernels
 torch.set_num_threads(int(os.environ.get("NT", "2")))
@@ -14,12 +13,7 @@ r = ModelRunner.load(EngineConfig(dtype="bfloat16", num_kv_blocks=2400, max_mode
 if eager_ops:
     from cobatch.models.fused_ops import EAGER
     r.model.ops = EAGER
-def prefill(n=12, L=170):
-    rows = tuple(ScheduledRow(request_id=f"p{i}", token_ids=list(range(1000+i, 1000+i+L)), num_prompt_tokens=L,
-        num_computed_tokens=0, num_new_tokens=L, block_table=list(range(i*11, i*11+11)), sampling_params=GREEDY,
-        needs_sample=True) for i in range(n))
-    return SchedulerOutput(rows=rows)
-cases = [("prefill12x170", prefill())] + [(f"decode B={b}", decode_step(b, 256, 16, 2400)) for b in [int(v) for v in os.environ.get("BS", "1,8,32,64").split(",")]]
+cases = [("prefill12x170", prefill_step(12, 170, 16))] + [(f"decode B={b}", decode_step(b, 256, 16, 2400)) for b in [int(v) for v in os.environ.get("BS", "1,8,32,64").split(",")]]
 for name, out in cases:
     r.execute(out)
     ts = []

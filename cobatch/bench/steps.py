@@ -55,6 +55,17 @@ def decode_step(batch_size: int, context_len: int, block_size: int, num_kv_block
     return SchedulerOutput(rows=rows)
 
 
+def prefill_step(num_prompts: int, length: int, block_size: int) -> SchedulerOutput:
+    """num_prompts fresh prompts of `length` tokens each, in their own consecutive blocks (kernel tools)."""
+    blocks = -(-length // block_size)
+    return SchedulerOutput(rows=tuple(
+        ScheduledRow(request_id=f"p{i}", token_ids=[1000 + (7 * j + i) % 30000 for j in range(length)],
+                     num_prompt_tokens=length, num_computed_tokens=0, num_new_tokens=length,
+                     block_table=list(range(i * blocks, (i + 1) * blocks)), sampling_params=GREEDY,
+                     needs_sample=True)
+        for i in range(num_prompts)))
+
+
 def time_step(runner: Runner, output: SchedulerOutput, reps: int) -> float:
     """Median seconds of `reps` executions after one warm-up."""
     runner.execute(output)

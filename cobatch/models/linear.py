@@ -15,8 +15,9 @@ kernel, a [N, K] one to F.linear. The MLP's fused gate/up weight can take a thir
 `pack_gate_up`'s [I/48, 2, K/2, 48, 2] (a gate block, then the same up block), which only
 `silu_mul_linear` reads: the kernel applies SiLU-multiply to each tile as it computes it, so the
 [M, 2I] gate/up output never goes through memory (the same bits as linear + silu_mul).
-`embedding` looks rows up in either layout (a tied lm_head is packed together with the embedding table). Weights are packed only where the kernel exists (AVX512-BF16, a
-compiler, COBATCH_NO_NATIVE unset), for bf16 CPU weights with N % 16 == 0 and K even.
+`embedding` looks rows up in either layout (a tied lm_head is packed together with the embedding
+table). Weights are packed only where the kernel exists (AVX512-BF16, a compiler, COBATCH_NO_NATIVE
+unset), for bf16 CPU weights with N % 16 == 0 and K even.
 
 Numerics: each output is one fp32 sum over K in a fixed order, rounded once to bf16 (as F.linear rounds;
 the kernel flushes denormal products to zero). The order depends on nothing but K: a row's bits do not
