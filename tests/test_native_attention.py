@@ -3,7 +3,9 @@
 Random ragged batches: decode rows, fresh prefills and prefills over cached context (chunked prefill /
 prefix hit) in one step; GQA groups 1/3/4; head sizes on and off the AVX512-BF16 path; block sizes
 1/4/16/32; lengths off the block and tile sizes. Cache slots outside every query's context hold NaN,
-so a kernel that read them would fail.
+so a kernel that used them would fail. The cases hold the cache as it looks ([blocks, block_size, kv
+heads, head_dim]) for the reference, and hand the kernel the same data written through its write_kv,
+in the layout it reads.
 """
 
 from __future__ import annotations
@@ -25,6 +27,31 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the tor
 # context, a prefix-cache hit resuming mid-block, a one-token prompt.
 MIXED_ROWS = [(0, 1), (4, 1), (16, 1), (39, 1), (0, 37), (21, 19), (32, 17), (5, 3)]
 HEADS = [(4, 4, 64), (9, 3, 64), (8, 2, 32), (4, 1, 80), (8, 2, 128), (4, 2, 40)]  # (nh, kvh, hd)
+
+
+def kernel_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Caches as they look, [blocks, bs, kvh, hd], rewritten slot by slot in the kernel's layout."""
+    assert KERNEL is not None
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    k_out, v_out = torch.empty_like(k_cache), torch.empty_like(v_cache)
+    KERNEL.write_kv(k_out, v_out, k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim),
+                    torch.arange(num_blocks * block_size))
+    return k_out, v_out
+
+
+def documented_layout(cache: torch.Tensor, is_k: bool) -> torch.Tensor:
+    """The AVX-512 path's layout as csrc/paged_attention.c's header draws it, built with torch permutes:
+    blocks head-major, quads of 4 keys (r); K columns c = 16 cb + 4L + j of e elements (p) stored as
+    [cb][j][L][r][p]; bf16 V as [r / 2][d][r % 2]; fp32 V rows as they are."""
+    num_blocks, block_size, kvh, hd = cache.shape
+    e = 2 if cache.dtype == torch.bfloat16 else 1
+    if is_k:  # natural dims: block, u, r, h, cb, L, j, p
+        x = cache.view(num_blocks, block_size // 4, 4, kvh, hd // (16 * e), 4, 4, e).permute(0, 3, 1, 4, 6, 5, 2, 7)
+    elif e == 2:  # block, u, pair, q, h, d
+        x = cache.view(num_blocks, block_size // 4, 2, 2, kvh, hd).permute(0, 4, 1, 2, 5, 3)
+    else:
+        x = cache.permute(0, 2, 1, 3)
+    return x.contiguous().view(cache.shape)
 
 
 class Case:
@@ -61,7 +88,8 @@ class Case:
     def kernel(self, tile_tokens: int = 16, q: torch.Tensor | None = None) -> torch.Tensor:
         assert KERNEL is not None
         q = self.q if q is None else q
-        return KERNEL(q, self.k_cache, self.v_cache, self.tables, self.tiles(tile_tokens), self.scale)
+        k_cache, v_cache = kernel_caches(self.k_cache, self.v_cache)
+        return KERNEL(q, k_cache, v_cache, self.tables, self.tiles(tile_tokens), self.scale)
 
     def reference(self) -> torch.Tensor:
         """Per query token in fp64: softmax(q K^T * scale) V over positions 0 .. its own position."""
@@ -161,14 +189,40 @@ def test_kernel_reads_q_with_a_token_stride() -> None:
 
 @needs_kernel
 def test_avx512_path_where_the_cpu_has_it() -> None:
-    """The shapes above cover both paths: AVX-512 where the CPU has it, plain C for odd head sizes."""
+    """The shapes above cover both paths: AVX-512 where the CPU has it, plain C for odd head sizes and
+    blocks that do not hold whole quads."""
     assert KERNEL is not None
     flags = open("/proc/cpuinfo").read()
-    assert not KERNEL.uses_avx512(torch.bfloat16, 80) and not KERNEL.uses_avx512(torch.float32, 40)
+    assert not KERNEL.uses_avx512(torch.bfloat16, 80, 16) and not KERNEL.uses_avx512(torch.float32, 40, 16)
+    assert not KERNEL.uses_avx512(torch.bfloat16, 64, 1) and not KERNEL.uses_avx512(torch.float32, 64, 6)
     if "avx512_bf16" in flags:
-        assert KERNEL.uses_avx512(torch.bfloat16, 64) and KERNEL.uses_avx512(torch.bfloat16, 128)
+        assert KERNEL.uses_avx512(torch.bfloat16, 64, 16) and KERNEL.uses_avx512(torch.bfloat16, 128, 4)
     if "avx512bw" in flags:
-        assert KERNEL.uses_avx512(torch.float32, 64) and KERNEL.uses_avx512(torch.float32, 80)
+        assert KERNEL.uses_avx512(torch.float32, 64, 32) and KERNEL.uses_avx512(torch.float32, 80, 16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,block_size", [((9, 3, 64), 16), ((8, 2, 128), 4), ((4, 2, 32), 32), ((4, 2, 40), 16)])
+def test_write_kv_stores_the_documented_layout(dtype: torch.dtype, heads: tuple[int, int, int],
+                                              block_size: int) -> None:
+    """write_kv puts each key where the kernel's header says (the AVX-512 path's layout), or as the
+    cache's shape says on the plain C path; slots it is not given stay as they were."""
+    assert KERNEL is not None
+    _, kvh, hd = heads
+    gen = torch.Generator().manual_seed(1)
+    k_nat, v_nat = (torch.randn(5, block_size, kvh, hd, generator=gen).to(dtype) for _ in range(2))
+    k_out, v_out = kernel_caches(k_nat, v_nat)
+    fast = KERNEL.uses_avx512(dtype, hd, block_size)
+    assert fast == (hd != 40 and (dtype == torch.float32 or "avx512_bf16" in open("/proc/cpuinfo").read()))
+    assert torch.equal(k_out, documented_layout(k_nat, True) if fast else k_nat)
+    assert torch.equal(v_out, documented_layout(v_nat, False) if fast else v_nat)
+    slots = torch.tensor([3, block_size + 1, 4 * block_size + block_size - 1])  # some slots, out of order
+    new_k, new_v = (torch.randn(3, kvh, hd, generator=gen).to(dtype) for _ in range(2))
+    KERNEL.write_kv(k_out, v_out, new_k, new_v, slots)
+    k_nat.view(-1, kvh, hd)[slots], v_nat.view(-1, kvh, hd)[slots] = new_k, new_v
+    assert torch.equal(k_out, documented_layout(k_nat, True) if fast else k_nat)
+    assert torch.equal(v_out, documented_layout(v_nat, False) if fast else v_nat)
 
 
 def test_make_tiles() -> None:
@@ -201,7 +255,8 @@ def test_kernel_matches_torch_path(dtype: torch.dtype, atol: float, heads: tuple
     for kernel in (KERNEL, None):
         meta = prepare_batch(rows, 4, torch.device("cpu"), kernel).meta
         assert isinstance(meta, AttentionMetadata) and (meta.kernel is None) == (kernel is None)
-        outs.append(paged_attention(case.q, new_k, new_v, case.k_cache, case.v_cache, meta, case.scale))
+        caches = kernel_caches(case.k_cache, case.v_cache) if kernel else (case.k_cache.clone(), case.v_cache.clone())
+        outs.append(paged_attention(case.q, new_k, new_v, *caches, meta, case.scale))
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=atol, rtol=atol)
 
 

@@ -2,7 +2,10 @@
 
 KV cache of one layer: K and V tensors `[num_blocks, block_size, num_kv_heads, head_dim]`; token t of a
 sequence lives at slot `block_table[t // block_size] * block_size + t % block_size`. Each step first writes
-its new tokens' K/V to their slots, then attends, so every query's whole context is in the cache.
+its new tokens' K/V to their slots, then attends, so every query's whole context is in the cache. Where
+the native kernel's AVX-512 path serves the cache, the elements inside each block are in the kernel's
+own order (head-major, pre-arranged for its dot products: csrc/paged_attention.c), written only through
+`kernel.write_kv`; everything else here handles whole blocks (swap, prefix sharing) and never looks inside.
 
 Native path (models/native.py, csrc/paged_attention.c): one kernel call for the whole batch. Every query
 token sees its own context (a decode row: seq_len keys; a prefill token at position p: p + 1, causal)
@@ -19,7 +22,8 @@ is one SDPA call over its new K/V, or over its gathered cached context with a ca
 Masked-out slots (padding of block tables, other sequences' blocks) hold whatever was written there: zeros
 from allocation or K/V computed by the model, always finite; -inf / boolean masks give them exactly zero
 weight (finite garbage times a zero weight is zero; NaN garbage could not be masked, hence the zeroed cache).
-The kernel never reads them.
+The kernel uses none of them: it reads whole quads of 4 keys, but masks the scores past a query's
+context and never loads a value past the chunk's last key (tests fill those slots with NaN).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class AttentionKernel(Protocol):
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, tiles: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None: ...
 
 
 @dataclass(slots=True)
@@ -85,8 +92,12 @@ def make_tiles(num_computed: torch.Tensor, num_new: torch.Tensor, tile_tokens: i
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V ([T, kvh, hd]) at their cache slots."""
+             slot_mapping: torch.Tensor, kernel: AttentionKernel | None = None) -> None:
+    """Store the new tokens' K/V ([T, kvh, hd]) at their cache slots: through the kernel, in the layout it
+    reads, when it serves the step; else as the cache's shape says."""
+    if kernel is not None:
+        kernel.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
@@ -95,7 +106,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write this step's K/V to the cache, then attend: q [T, nh, hd], k/v [T, kvh, hd] -> [T, nh * hd]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.kernel)
     num_tokens, num_heads, head_dim = q.shape
     if meta.kernel is not None:
         assert meta.block_tables is not None and meta.tiles is not None

@@ -24,7 +24,7 @@ from cobatch.models.linear import (can_pack, can_pack_gate_up, embedding, is_gat
 from cobatch.models.model_config import ModelConfig, RopeScaling
 from cobatch.models.native_decoder import NativeDecoder
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, num_kv_heads, head_dim]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, num_kv_heads, head_dim] (attention.py)
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:

@@ -35,10 +35,18 @@ _DISABLE_ENV = "COBATCH_NO_NATIVE"  # set to 1 to force the pure-torch path (A/B
 # num_kv_heads, head_dim, block_size, scale
 _ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p,
              ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_float])
+# k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, block_size
+_WRITE_ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+                   + [ctypes.c_int] * 3)
 
 
 class AttentionKernel:
-    """Paged attention over a ragged batch for fp32 and bf16 caches (csrc/paged_attention.c: layouts)."""
+    """Paged attention over a ragged batch for fp32 and bf16 caches (csrc/paged_attention.c: layouts).
+
+    The caches it reads are its own: shaped [blocks, block_size, kv heads, head_dim], but on its AVX-512
+    path each block's elements are pre-arranged for it (`uses_avx512`; the file header draws the
+    layout), so every write to them goes through `write_kv`. Whole blocks can still be copied, swapped
+    and shared as they are."""
 
     tile_tokens = 16  # consecutive query tokens of one sequence that share each K/V read
 
@@ -46,15 +54,33 @@ class AttentionKernel:
         self._fns = {torch.float32: lib.paged_attention_f32, torch.bfloat16: lib.paged_attention_bf16}
         for fn in self._fns.values():
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+        self._writes = {torch.float32: lib.paged_write_kv_f32, torch.bfloat16: lib.paged_write_kv_bf16}
+        for fn in self._writes.values():
+            fn.argtypes, fn.restype = _WRITE_ARGTYPES, None
         self._is_fast = lib.paged_attention_is_fast
-        self._is_fast.argtypes, self._is_fast.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        self._is_fast.argtypes, self._is_fast.restype = [ctypes.c_int] * 3, ctypes.c_int
 
     def supports(self, dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in self._fns
 
-    def uses_avx512(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether this dtype and head size run the AVX-512 path (else the plain C one)."""
-        return bool(self._is_fast(dtype == torch.bfloat16, head_dim))
+    def uses_avx512(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+        """Whether this dtype, head size and block size run the AVX-512 path on the kernel layout (else
+        the plain C one, on [blocks, block_size, kv heads, head_dim] as it looks)."""
+        return bool(self._is_fast(dtype == torch.bfloat16, head_dim, block_size))
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store new tokens' K/V ([T, kvh, hd], token stride free) at their cache slots, in the layout
+        the kernel reads."""
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        for x in (k, v):
+            assert x.dtype == k_cache.dtype and x.stride(2) == 1 and x.stride(1) == head_dim
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
+        slots = slot_mapping.contiguous()
+        assert slots.dtype == torch.int64 and len(slots) == len(k) == len(v)
+        self._writes[k_cache.dtype](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                                    v_cache.data_ptr(), slots.data_ptr(), len(slots), num_kv_heads, head_dim,
+                                    block_size)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, tiles: torch.Tensor, scale: float) -> torch.Tensor:

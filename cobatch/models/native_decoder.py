@@ -30,7 +30,7 @@ def _struct(name: str, fields: Sequence[tuple[str, type]]) -> type[ctypes.Struct
 
 # The structs of csrc/decoder.c, field for field.
 _Kernels = _struct("Kernels", [(n, _PTR) for n in ("gemm", "add_rms_norm", "silu_mul", "rope", "attention",
-                                                    "gemm_silu", "act_rows")])
+                                                    "gemm_silu", "act_rows", "write_kv")])
 _Shape = _struct("Shape", [(n, _I64) for n in ("hidden", "inter", "num_heads", "num_kv_heads", "head_dim",
                                               "block_size", "fused_mlp")] + [("eps", _FLOAT), ("scale", _FLOAT)])
 _Layer = _struct("Layer", [(n, _PTR) for n in ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm",
@@ -67,7 +67,7 @@ class NativeDecoder:
         gemm, ops, attention = (load_library(name) for name in ("gemm_bf16", "fused_ops", "paged_attention"))
         self._kernels = _Kernels(*(ctypes.cast(f, _PTR).value for f in (
             gemm.gemm_bf16, ops.add_rms_norm, ops.silu_mul, ops.rope_inplace, attention.paged_attention_bf16,
-            gemm.gemm_bf16_silu, ops.silu_mul_rows_bf16)))
+            gemm.gemm_bf16_silu, ops.silu_mul_rows_bf16, attention.paged_write_kv_bf16)))
         fused_mlp = is_gate_up_packed(model.layers[0].gate_up_proj)  # build() checked all layers agree
         self._shape = _Shape(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, 0,
                              int(fused_mlp), c.rms_norm_eps, c.head_dim ** -0.5)

@@ -50,7 +50,8 @@ class ModelRunner:
                              f"max_position_embeddings={model_config.max_position_embeddings}")
         self.kv_bytes_per_token = kv_bytes_per_token(model_config, self.dtype)
         self.eos_token_ids: tuple[int, ...] = model_config.eos_token_ids
-        # One tensor for all layers, so a swap is a single indexed copy: [L, 2 (K/V), blocks, bs, kvh, hd].
+        # One tensor for all layers, so a swap is a single indexed copy: [L, 2 (K/V), blocks, bs, kvh, hd]
+        # (inside a block, the attention kernel's element order: models/attention.py).
         # One block more than the scheduler knows of: the sink where padding rows' K/V writes go.
         self.kv_cache = self._allocate_cache(num_kv_blocks + 1, self.device)
         self.scratch_slot = num_kv_blocks * block_size

@@ -57,9 +57,14 @@ typedef int (*AttentionFn)(const void *q, int64_t q_stride, const void *k_cache,
                            const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles, int num_tiles,
                            void *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale);
 
+typedef void (*WriteKvFn)(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_cache,
+                          void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
+                          int head_dim, int block_size);
+
 typedef struct {
     GemmFn gemm; NormFn add_rms_norm; SiluFn silu_mul; RopeFn rope; AttentionFn attention;
     GemmSiluFn gemm_silu; ActRowsFn act_rows;  /* read only with fused_mlp */
+    WriteKvFn write_kv;  /* the attention kernel's: it stores K/V in the layout the kernel reads */
 } Kernels;
 
 /* bf16 model shape; weights packed for gemm_bf16, gate/up for gemm_bf16_silu when fused_mlp. */
@@ -70,7 +75,7 @@ typedef struct {
 
 typedef struct {
     const void *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down;  /* biases may be NULL */
-    void *k_cache, *v_cache;  /* [blocks, block_size, kv heads, head_dim] */
+    void *k_cache, *v_cache;  /* [blocks, block_size, kv heads, head_dim], laid out as the kernel reads */
 } Layer;
 
 /* This step's batch: the attention metadata of models/attention.py, and the rows whose output is wanted
@@ -89,18 +94,6 @@ typedef struct {
  * [2 inter], act [inter], num_tokens rows each; with keep, residual_keep [num_keep, hidden] and q_keep
  * [num_keep, qkv width] hold the kept rows, and the outputs are residual_keep and x's first num_keep rows. */
 typedef struct { void *residual, *x, *h, *qkv, *attn, *gate_up, *act, *residual_keep, *q_keep; } Buffers;
-
-/* The new tokens' K and V (columns of qkv after q) into their cache slots. */
-static void write_kv(const Shape *s, const Layer *l, const Step *st, const uint16_t *qkv, int64_t qkv_width) {
-    const int64_t width = s->num_kv_heads * s->head_dim, q_width = s->num_heads * s->head_dim;
-#pragma omp parallel for schedule(static) if (st->num_tokens >= 256)
-    for (int64_t t = 0; t < st->num_tokens; t++) {
-        const uint16_t *row = qkv + t * qkv_width + q_width;
-        int64_t slot = st->slot_mapping[t];
-        memcpy((uint16_t *)l->k_cache + slot * width, row, sizeof(uint16_t) * width);
-        memcpy((uint16_t *)l->v_cache + slot * width, row + width, sizeof(uint16_t) * width);
-    }
-}
 
 /* dst[i] = src[rows[i]] for n rows of `width` bf16 values. */
 static void gather_rows(void *dst, const void *src, const int64_t *rows, int64_t n, int64_t width) {
@@ -122,7 +115,9 @@ static int layer_forward(const Kernels *k, const Shape *s, const Layer *l, const
     TIMER(1);
     k->rope(b->qkv, st->cos, st->sin, st->positions, T, qkv_width, nh + kvh, hd, 1);
     TIMER(2);
-    write_kv(s, l, st, b->qkv, qkv_width);
+    const int64_t q_width = nh * hd;  /* K and V: the columns of qkv after q */
+    k->write_kv((const uint16_t *)b->qkv + q_width, qkv_width, (const uint16_t *)b->qkv + q_width + kvh * hd,
+                qkv_width, l->k_cache, l->v_cache, st->slot_mapping, T, (int)kvh, (int)hd, (int)s->block_size);
     TIMER(3);
     const void *q = b->qkv;
     const int64_t *tiles = st->tiles;

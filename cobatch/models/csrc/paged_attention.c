@@ -10,21 +10,33 @@
  * Layouts:
  *   q             [tokens, q_stride] rows; token t's head g at q + t * q_stride + g * head_dim
  *   out           [tokens, num_heads, head_dim], contiguous
- *   k/v cache     [num_blocks, block_size, num_kv_heads, head_dim], contiguous
  *   block_tables  [num_seqs, max_blocks] int64
  *   tiles         [num_tiles, 4] int64: (seq, first token, num tokens, context of the first token); the
  *                 tile's token i (row first + i of q and out) sees keys 0 .. context + i - 1.
- * Key position p of sequence s lives at slot block_tables[s][p / block_size] * block_size + p % block_size.
- * Only keys inside some query's context are read (past the tile's last one, lanes read a zero row).
+ *   k/v cache     plain C path: [num_blocks, block_size, num_kv_heads, head_dim]. AVX-512 path (the
+ *                 kernel layout): head-major blocks of quads, [num_blocks][num_kv_heads][block_size / 4]
+ *                 [quad], a quad holding 4 consecutive keys (r = key % 4) pre-arranged for the arithmetic,
+ *                 so nothing is transposed or interleaved at read time (that staging took a third of
+ *                 decode attention's time with K/V in cache, ~10-30% from DRAM, measured in one process):
+ *       K quad    [cb][j][L][r][p]: one 64-byte vector per (cb, j), whose 128-bit lane L holds column
+ *                 c = 16 cb + 4L + j of the 4 keys; a column is 32 bits (e elements: bf16 pair, e = 2,
+ *                 d = 2c + p; fp32, e = 1, d = c);
+ *       V quad    bf16 [r / 2][head_dim][r % 2]: key pairs interleaved per element, the B operand of a
+ *                 bf16 dot product; fp32 [r][head_dim], rows as they are.
+ *                 paged_write_kv_* is the only writer (the engine's K/V writes and the C layer loop's go
+ *                 through it); whole blocks can still be copied, swapped and shared as they are.
+ * Key position p of sequence s lives at block block_tables[s][p / block_size], key p % block_size there.
+ * Only keys inside some query's context are read (past the tile's last one: zeros, or masked lanes
+ * whose V is never read).
  *
  * Numerics: online softmax over chunks of CHUNK keys aligned to absolute positions, fp32 state (lazily
  * rescaled on the AVX-512 path: softmax_step). A query's arithmetic depends only on its own q, context
  * and the cache, never on its tile, its work item or the rest of the batch: batch composition cannot
  * change a row's bits (the determinism tests rely on this).
- *   AVX-512 (fast_item; head_dim <= 256; fp32: % 16 == 0; bf16: with AVX512-BF16 and % 32 == 0):
- *   scores with the keys along the vector lanes (no horizontal sum per key), fp32 accumulation; bf16
- *   runs QK^T and PV on vdpbf16ps with the probabilities rounded to bf16 before PV, as HF's eager bf16
- *   attention casts them before P @ V.
+ *   AVX-512 (fast_item; head_dim <= 256; fp32: % 16 == 0; bf16: with AVX512-BF16 and % 32 == 0;
+ *   block_size % 4 == 0): scores with the keys along the vector lanes (no horizontal sum per key), fp32
+ *   accumulation; bf16 runs QK^T and PV on vdpbf16ps with the probabilities rounded to bf16 before PV,
+ *   as HF's eager bf16 attention casts them before P @ V.
  *   Otherwise plain C (generic_item), fp32 math.
  *
  * Work items (make_items): a decode row over all KV heads (it streams each block front to back), a
@@ -207,63 +219,62 @@ static inline __attribute__((always_inline)) void generic_item(const Attn *a, co
 /* ------------------------------------------------------------------------- AVX-512 path (fp32, bf16) */
 #if HAVE_AVX512
 
-/* Lanes beyond a chunk's last key read this row: zeros, so nothing past the context enters. */
-static const float ZERO_ROW[MAX_FAST_HEAD_DIM] __attribute__((aligned(64)));
+/* Quads past a chunk's last key point here: zeros (their V is never read, their K lanes are masked). */
+static const float ZERO_QUAD[4 * MAX_FAST_HEAD_DIM] __attribute__((aligned(64)));
 
-/* Per-thread scratch, 64-byte aligned (the vectors are stored with aligned moves). A "column" is one
- * 32-bit element of a row: a bf16 pair (d = 2c, 2c + 1) or one fp32 value. */
+/* Per-thread scratch, 64-byte aligned (stored with aligned moves). */
 typedef struct {
-    __m512i *kb;    /* [columns / 16][16]: K chunk half transposed, see stage_keys */
-    uint32_t *vi;   /* bf16: [CHUNK/2][hd]: V chunk, key pairs interleaved: (v[2j][d], v[2j+1][d]) */
-    float *acc;     /* [queries][hd] fp32; bf16: d permuted within 32-wide blocks (see store_row) */
+    float *acc;     /* [queries][hd] fp32 */
     float *lsum;    /* [queries][CHUNK]: softmax denominators, summed across lanes at the end */
     float *mx;      /* [queries]: the raw score the weights are taken against (softmax_step) */
 } Fast;
 
 static int64_t fast_scratch_bytes(const Attn *a, int64_t max_queries) {
-    int64_t hd = a->head_dim;
-    return 4 * (hd * CHUNK + CHUNK / 2 * hd + max_queries * (hd + CHUNK + 1)) + 64 * 6;
+    return 4 * max_queries * (a->head_dim + CHUNK + 1) + 64 * 4;
 }
 
 static Fast fast_scratch(const Attn *a, int64_t max_queries, char *buf) {
     Fast f;
-    int64_t hd = a->head_dim;
     uintptr_t p = ((uintptr_t)buf + 63) & ~(uintptr_t)63;
 #define TAKE(ptr, type, bytes) (ptr = (type *)p, p = (p + (bytes) + 63) & ~(uintptr_t)63)
-    TAKE(f.kb, __m512i, 4 * hd * CHUNK);
-    TAKE(f.vi, uint32_t, 4 * CHUNK / 2 * hd);
-    TAKE(f.acc, float, 4 * max_queries * hd);
+    TAKE(f.acc, float, 4 * max_queries * a->head_dim);
     TAKE(f.lsum, float, 4 * max_queries * CHUNK);
     TAKE(f.mx, float, 4 * max_queries);
 #undef TAKE
     return f;
 }
 
-/* Where the K and V rows of KV head 0 of keys c0 .. c0 + n - 1 start (head h's: + h row bytes): one
- * division per chunk, and the keys of one block are consecutive rows (computing every key's slot
- * from the block table took as long as the chunk's dot products, measured with perf, decode in cache). */
-static inline void key_rows(const Attn *a, const int64_t *table, int64_t c0, int n, int elem_bytes,
-                            const char *k[CHUNK], const char *v[CHUNK]) {
-    const int64_t key_bytes = (int64_t)a->num_kv_heads * a->head_dim * elem_bytes;
+/* A chunk's four quads for KV head 0 (head h's: + h * head_bytes), K and V: quads holding none of its
+ * n keys point at ZERO_QUAD (and stay there for every head, see quad_of_head). One division per chunk. */
+typedef struct { const char *k[4], *v[4]; int live; } Quads;
+
+static inline Quads chunk_quads(const Attn *a, const int64_t *table, int64_t c0, int n, int elem_bytes) {
+    const int64_t head_bytes = (int64_t)a->block_size * a->head_dim * elem_bytes;
     int64_t b = c0 / a->block_size, off = c0 % a->block_size;
-    for (int j = 0; j < n; b++, off = 0) {
-        const int64_t slot = table[b] * a->block_size + off;
-        const char *kb = (const char *)a->k_cache + slot * key_bytes;
-        const char *vb = (const char *)a->v_cache + slot * key_bytes;
-        for (int i = 0, run = imin(n - j, a->block_size - off); i < run; i++, j++)
-            k[j] = kb + i * key_bytes, v[j] = vb + i * key_bytes;
+    Quads qs;
+    qs.live = (n + 3) / 4;
+    for (int i = 0; i < 4; i++, off += 4) {
+        if (off == a->block_size) b++, off = 0;
+        if (i >= qs.live) {
+            qs.k[i] = qs.v[i] = (const char *)ZERO_QUAD;
+            continue;
+        }
+        int64_t at = table[b] * a->num_kv_heads * head_bytes + off * a->head_dim * elem_bytes;
+        qs.k[i] = (const char *)a->k_cache + at, qs.v[i] = (const char *)a->v_cache + at;
     }
+    return qs;
 }
 
 /* Software prefetch of a later chunk's K and V, a few lines at each step of the compute. Blocks sit
- * anywhere in the pool and each KV head reads only its slice of a token, so the hardware prefetcher
- * cannot run ahead; and a burst of prefetches would wait for free miss buffers and stall the core as
- * demand loads do, so they are spread over the chunk's arithmetic instead. The rows are merged into
- * contiguous ranges (a decode row's chunk is two: its block's K and V for all heads). */
+ * anywhere in the pool, so the hardware prefetcher cannot run ahead; and a burst of prefetches would
+ * wait for free miss buffers and stall the core as demand loads do, so they are spread over the chunk's
+ * arithmetic instead. The quads are merged into contiguous ranges (with 16-token blocks a decode row's
+ * chunk is two: its block's K and V for all heads). */
+enum { MAX_RANGES = 64 };  /* more (many KV heads on small blocks) are left to the hardware */
 typedef struct {
-    const char *start[2 * CHUNK], *end[2 * CHUNK];  /* line-aligned ranges, K rows then V rows */
-    int num_ranges, per_step;                       /* lines per call of prefetch_step */
-    int range;                                      /* cursor: the range and the line in it */
+    const char *start[MAX_RANGES], *end[MAX_RANGES];  /* line-aligned ranges, K then V */
+    int num_ranges, per_step;                         /* lines per call of prefetch_step */
+    int range;                                        /* cursor: the range and the line in it */
     const char *at;
 } Prefetch;
 
@@ -283,21 +294,22 @@ static inline void add_range(Prefetch *p, const char *start, int64_t bytes) {
         if (start + bytes > p->end[last]) p->end[last] = start + bytes;
         return;
     }
+    if (p->num_ranges == MAX_RANGES) return;
     p->start[p->num_ranges] = line, p->end[p->num_ranges++] = start + bytes;
 }
 
-/* Aim at the n keys whose head-0 rows are k, v; KV heads h0 .. h1-1 (contiguous within a key), spread
- * over `steps` calls. */
-static inline void prefetch_start(Prefetch *p, const Attn *a, const char *const k[CHUNK],
-                                  const char *const v[CHUNK], int n, int h0, int h1, int steps, int elem_bytes) {
-    const int64_t row_bytes = (int64_t)a->head_dim * elem_bytes, bytes = (h1 - h0) * row_bytes;
+/* Aim at the live quads of qs for KV heads h0 .. h1-1, spread over `steps` calls. */
+static inline void prefetch_start(Prefetch *p, const Attn *a, const Quads *qs, int h0, int h1, int steps,
+                                  int elem_bytes) {
+    const int64_t quad_bytes = 4 * (int64_t)a->head_dim * elem_bytes, head_bytes = quad_bytes / 4 * a->block_size;
     int64_t lines = 0;
     p->num_ranges = 0;
-    for (int j = 0; j < n; j++) add_range(p, k[j] + h0 * row_bytes, bytes);
-    for (int j = 0; j < n; j++) add_range(p, v[j] + h0 * row_bytes, bytes);
+    for (int kv = 0; kv < 2; kv++)
+        for (int h = h0; h < h1; h++)
+            for (int i = 0; i < qs->live; i++) add_range(p, (kv ? qs->v[i] : qs->k[i]) + h * head_bytes, quad_bytes);
     for (int r = 0; r < p->num_ranges; r++) lines += (p->end[r] - p->start[r] + 63) / 64;
     p->per_step = (int)((lines + steps - 1) / (steps > 0 ? steps : 1));
-    p->range = 0, p->at = p->start[0];
+    p->range = 0, p->at = p->num_ranges > 0 ? p->start[0] : NULL;
 }
 
 static inline void prefetch_rest(Prefetch *p) {
@@ -323,42 +335,9 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* K rows of a chunk (16 keys, `columns` 32-bit elements each) -> kb, half transposed: two in-lane
- * unpack stages only. For each 16-column block cb, kb[cb * 16 + 4i + j] holds in 128-bit lane L,
- * dword r the element of key 4i + r at column cb * 16 + 4L + j. block_scores pairs it with q's column
- * 4L + j (an in-lane broadcast) and sums the four lanes at the end: the cross-lane half of a transpose
- * becomes one reduction per query head. */
-static inline void stage_keys(const void *const rows[CHUNK], int columns, __m512i *kb) {
-    for (int cb = 0; cb < columns / 16; cb++) {
-        __m512i r[16], t[16];
-        for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_si512((const uint32_t *)rows[k] + cb * 16);
-        for (int k = 0; k < 16; k += 2) {  /* lane L: keys k, k+1 interleaved, columns 4L, 4L+1 | 4L+2, 4L+3 */
-            t[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
-            t[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
-        }
-        for (int k = 0; k < 16; k += 4) {  /* lane L of kb[k + j]: column 4L + j of keys k .. k+3 */
-            _mm512_store_si512(kb + cb * 16 + k, _mm512_unpacklo_epi64(t[k], t[k + 2]));
-            _mm512_store_si512(kb + cb * 16 + k + 1, _mm512_unpackhi_epi64(t[k], t[k + 2]));
-            _mm512_store_si512(kb + cb * 16 + k + 2, _mm512_unpacklo_epi64(t[k + 1], t[k + 3]));
-            _mm512_store_si512(kb + cb * 16 + k + 3, _mm512_unpackhi_epi64(t[k + 1], t[k + 3]));
-        }
-    }
-}
-
-/* bf16 V rows -> vi with key pairs interleaved per 16-bit element. Unpack works within 128-bit lanes,
- * so in each 32-wide block of d the "lo" vector holds d = 0-3, 8-11, 16-19, 24-27 and the "hi" vector
- * the rest; the accumulators keep that order until store_row. */
-static inline void stage_values(const void *const rows[CHUNK], int hd, uint32_t *vi) {
-    for (int j = 0; j < CHUNK / 2; j++)
-        for (int d0 = 0; d0 < hd; d0 += 32) {
-            __m512i x = _mm512_loadu_si512((const uint16_t *)rows[2 * j] + d0);
-            __m512i y = _mm512_loadu_si512((const uint16_t *)rows[2 * j + 1] + d0);
-            _mm512_store_si512(vi + j * hd + d0, _mm512_unpacklo_epi16(x, y));
-            _mm512_store_si512(vi + j * hd + d0 + 16, _mm512_unpackhi_epi16(x, y));
-        }
-}
-
-/* acc[i] lane L dword r: key 4i + r's partial score over lane L's columns -> scores of keys 0..15. */
+/* quad i's vector of keys 4i .. 4i+3 (dword r: key 4i + r) holds in 128-bit lane L the column
+ * 16 cb + 4L + j (see the cache layout, kernel_offset_k): acc[q][i] lane L sums q's columns 4L + j
+ * against it; sum_lanes adds the four lanes at the end: a transposed read without a transpose. */
 static inline __m512 sum_lanes(const __m512 acc[4]) {
     __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(1, 0, 1, 0)),
                               _mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(3, 2, 3, 2)));
@@ -377,22 +356,25 @@ static inline __attribute__((always_inline)) __m512 madd(__m512 acc, __m512i k, 
     return _mm512_fmadd_ps(_mm512_castsi512_ps(k), _mm512_castsi512_ps(x), acc);
 }
 
-/* One column j of a 16-column block: acc[q][i] += kb[4i + j] . (q's column 4L + j in every dword of
- * lane L). j must be a constant (shuffle immediate). */
+/* The staged chunk of one KV head: its four K and V quads. */
+typedef struct { const __m512i *k[4]; const char *v[4]; } Chunk;
+
+/* One column j of a 16-column block cb: acc[q][i] += K quad i's vector (cb, j) . (q's column 4L + j in
+ * every dword of lane L). j must be a constant (shuffle immediate). */
 static inline __attribute__((always_inline)) void scores_column(__m512 acc[4][4], const __m512i qv[4],
-                                                                const __m512i *kb, const int nb, const int j,
-                                                                const int bf16) {
+                                                                const Chunk *ch, int cb, const int nb,
+                                                                const int j, const int bf16) {
     __m512i qj[4];
     for (int q = 0; q < nb; q++) qj[q] = _mm512_shuffle_epi32(qv[q], (_MM_PERM_ENUM)(j * 0x55));
     for (int i = 0; i < 4; i++) {
-        __m512i k = _mm512_load_si512(kb + 4 * i + j);
+        __m512i k = _mm512_loadu_si512(ch->k[i] + 4 * cb + j);
         for (int q = 0; q < nb; q++) acc[q][i] = madd(acc[q][i], k, qj[q], bf16);
     }
 }
 
-/* Raw scores of nb (<= 4, a constant where inlined) query heads against the chunk's 16 keys: each kb
+/* Raw scores of nb (<= 4, a constant where inlined) query heads against the chunk's 16 keys: each K
  * load serves all nb heads; 4 nb independent accumulators keep the multiply units busy. */
-static inline __attribute__((always_inline)) void block_scores(const uint32_t *const qp[4], const __m512i *kb,
+static inline __attribute__((always_inline)) void block_scores(const uint32_t *const qp[4], const Chunk *ch,
                                                                int columns, const int nb, __m512 s[4],
                                                                Prefetch *pf, const int bf16) {
     __m512 acc[4][4];
@@ -402,11 +384,11 @@ static inline __attribute__((always_inline)) void block_scores(const uint32_t *c
         __m512i qv[4];
         for (int q = 0; q < nb; q++) qv[q] = _mm512_loadu_si512(qp[q] + cb * 16);
         prefetch_step(pf);
-        scores_column(acc, qv, kb + cb * 16, nb, 0, bf16);
-        scores_column(acc, qv, kb + cb * 16, nb, 1, bf16);
+        scores_column(acc, qv, ch, cb, nb, 0, bf16);
+        scores_column(acc, qv, ch, cb, nb, 1, bf16);
         prefetch_step(pf);
-        scores_column(acc, qv, kb + cb * 16, nb, 2, bf16);
-        scores_column(acc, qv, kb + cb * 16, nb, 3, bf16);
+        scores_column(acc, qv, ch, cb, nb, 2, bf16);
+        scores_column(acc, qv, ch, cb, nb, 3, bf16);
     }
     for (int q = 0; q < nb; q++) s[q] = sum_lanes(acc[q]);
 }
@@ -447,13 +429,25 @@ static inline __attribute__((always_inline)) __m512 softmax_step(__m512 s, __mma
     return corr;
 }
 
-/* acc = acc * corr + P V for nb (<= 4) query heads, 64 values of d at a time: each V load serves all
- * nb heads. bf16: V from vi, weights as key pairs; fp32: V rows straight from the cache. */
+/* V of step j (bf16: key pair j, keys 2j and 2j+1 interleaved per element; fp32: key j), columns
+ * d0 .. d0+15. A pair whose second key lies past the chunk's last (odd_tail) has that key's halves
+ * zeroed: the slot may hold anything, and 0 * NaN would poison the sum. */
+static inline __attribute__((always_inline)) __m512i value_vector(const Chunk *ch, int j, int d0, int hd,
+                                                                  int odd_tail, const int bf16) {
+    if (bf16) {
+        __m512i v = _mm512_loadu_si512((const uint32_t *)ch->v[j >> 1] + (j & 1) * hd + d0);
+        return odd_tail ? _mm512_maskz_mov_epi16(0x55555555u, v) : v;
+    }
+    return _mm512_loadu_si512((const float *)ch->v[j >> 2] + (j & 3) * hd + d0);
+}
+
+/* acc = acc * corr + P V for nb (<= 4) query heads over `steps` key pairs (bf16) or keys (fp32), 64
+ * values of d at a time: each V load serves all nb heads. Steps past the chunk's last key are not
+ * taken (their slots hold anything); odd_tail: see value_vector. */
 static inline __attribute__((always_inline)) void block_pv(const uint32_t w[4][CHUNK], const __m512 corr[4],
-                                                           const uint32_t *vi, const void *const vrows[CHUNK],
-                                                           float *const acc[4], int hd, const int nb,
+                                                           const Chunk *ch, float *const acc[4], int hd,
+                                                           const int nb, const int steps, const int odd_tail,
                                                            Prefetch *pf, const int bf16) {
-    const int steps = bf16 ? CHUNK / 2 : CHUNK;  /* key pairs or keys */
     for (int d0 = 0; d0 < hd; d0 += 64) {
         const int n = imin(4, (hd - d0) / 16);
         __m512 o[4][4];
@@ -464,8 +458,7 @@ static inline __attribute__((always_inline)) void block_pv(const uint32_t w[4][C
             __m512i wj[4];
             for (int q = 0; q < nb; q++) wj[q] = _mm512_set1_epi32((int)w[q][j]);
             for (int k = 0; k < n; k++) {
-                __m512i v = bf16 ? _mm512_load_si512(vi + j * hd + d0 + 16 * k)
-                                 : _mm512_loadu_si512((const float *)vrows[j] + d0 + 16 * k);
+                __m512i v = value_vector(ch, j, d0 + 16 * k, hd, odd_tail && j == steps - 1, bf16);
                 for (int q = 0; q < nb; q++) o[q][k] = madd(o[q][k], v, wj[q], bf16);
             }
         }
@@ -479,19 +472,13 @@ static inline const uint32_t *query_columns(const Attn *a, int64_t token, int he
     return (const uint32_t *)((const char *)a->q + (token * a->q_stride + (int64_t)head * a->head_dim) * elem_bytes);
 }
 
-/* The staged chunk of one KV head. */
-typedef struct {
-    const __m512i *kb;
-    const uint32_t *vi;            /* bf16 */
-    const void *const *vrows;      /* fp32 */
-} Chunk;
-
-/* One chunk for nb consecutive query heads of the item, all of KV head h: index m0 + q = (h - h0, token
- * i, head g in the group) (see fast_item), starting at token i0, head g0 and counted up from there
+/* One chunk (n keys) for nb consecutive query heads of the item, all of KV head h: index m0 + q = (h - h0,
+ * token i, head g in the group) (see fast_item), starting at token i0, head g0 and counted up from there
  * (no divisions: they showed in perf); `valid` masks per head. */
 static inline __attribute__((always_inline)) void chunk_block(const Attn *a, const Tile *t, int h, int m0, int i0,
-                                                              int g0, const int nb, int64_t c0, const Chunk *ch,
-                                                              Fast *f, int hd, Prefetch *pf, const int bf16) {
+                                                              int g0, const int nb, int64_t c0, int n,
+                                                              const Chunk *ch, Fast *f, int hd, Prefetch *pf,
+                                                              const int bf16) {
     const int group = a->group;
     const uint32_t *qp[4];
     __mmask16 valid[4];
@@ -504,30 +491,27 @@ static inline __attribute__((always_inline)) void chunk_block(const Attn *a, con
     __m512 s[4], corr[4];
     uint32_t w[4][CHUNK];
     float *acc[4];
-    block_scores(qp, ch->kb, bf16 ? hd / 2 : hd, nb, s, pf, bf16);
+    block_scores(qp, ch, bf16 ? hd / 2 : hd, nb, s, pf, bf16);
     const float c = a->scale * 1.44269504088896341f;  /* log2(e) */
     for (int q = 0; q < nb; q++) {
         int m = m0 + q;
         corr[q] = softmax_step(s[q], valid[q], c, f->mx + m, f->lsum + m * CHUNK, w[q], bf16);
         acc[q] = f->acc + (int64_t)m * hd;
     }
-    block_pv(w, corr, ch->vi, ch->vrows, acc, hd, nb, pf, bf16);
+    if (n == CHUNK) block_pv(w, corr, ch, acc, hd, nb, bf16 ? CHUNK / 2 : CHUNK, 0, pf, bf16);  /* unrolled */
+    else if (bf16) block_pv(w, corr, ch, acc, hd, nb, (n + 1) / 2, n & 1, pf, bf16);
+    else block_pv(w, corr, ch, acc, hd, nb, n, 0, pf, bf16);
 }
 
-/* acc times inv into an output row: fp32 as is; bf16 back in d order (see stage_values), rounded. */
+/* acc times inv into an output row, rounded to bf16 or as is. */
 static inline __attribute__((always_inline)) void store_row(const float *acc, float inv, int hd, void *out,
                                                             const int bf16) {
     __m512 s = _mm512_set1_ps(inv);
 #if HAVE_AVX512BF16
     if (bf16) {
-        const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-        const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-        for (int d0 = 0; d0 < hd; d0 += 32) {
-            __m512 lo = _mm512_load_ps(acc + d0), hi = _mm512_load_ps(acc + d0 + 16);
-            __m512 x = _mm512_mul_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), s);
-            __m512 y = _mm512_mul_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), s);
+        for (int d0 = 0; d0 < hd; d0 += 16) {
+            __m512 x = _mm512_mul_ps(_mm512_load_ps(acc + d0), s);
             _mm256_storeu_si256((__m256i *)((uint16_t *)out + d0), (__m256i)_mm512_cvtneps_pbh(x));
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + d0 + 16), (__m256i)_mm512_cvtneps_pbh(y));
         }
         return;
     }
@@ -537,34 +521,34 @@ static inline __attribute__((always_inline)) void store_row(const float *acc, fl
         _mm512_storeu_ps((float *)out + d0, _mm512_mul_ps(_mm512_load_ps(acc + d0), s));
 }
 
-/* Rows of the chunk's n keys for KV head h (k, v: head 0's, see key_rows); lanes past the context read
- * zeros. */
-static inline void chunk_pointers(const char *const k[CHUNK], const char *const v[CHUNK], int n, int64_t offset,
-                                  const void *krows[CHUNK], const void *vrows[CHUNK]) {
-    for (int j = 0; j < CHUNK; j++) {
-        krows[j] = j < n ? (const void *)(k[j] + offset) : (const void *)ZERO_ROW;
-        vrows[j] = j < n ? (const void *)(v[j] + offset) : (const void *)ZERO_ROW;
-    }
-}
-
 /* One chunk of one KV head for the item's query heads from token first_token on, in blocks of 4. */
 static inline __attribute__((always_inline)) void chunk_head(const Attn *a, const Tile *t, int h0, int h, int nt,
-                                                             int first_token, int64_t c0, const Chunk *ch,
+                                                             int first_token, int64_t c0, int n, const Chunk *ch,
                                                              Fast *f, int hd, Prefetch *pf, const int bf16) {
     const int group = a->group, per_head = nt * group;
     int m = (h - h0) * per_head + first_token * group, end = (h - h0 + 1) * per_head;
     int i = first_token, g = 0;  /* token and head in group of query m, advanced 4 heads at a time */
     for (; m + 4 <= end; m += 4) {
-        chunk_block(a, t, h, m, i, g, 4, c0, ch, f, hd, pf, bf16);
+        chunk_block(a, t, h, m, i, g, 4, c0, n, ch, f, hd, pf, bf16);
         for (int k = 0; k < 4; k++)
             if (++g == group) g = 0, i++;
     }
     switch (end - m) {
-        case 3: chunk_block(a, t, h, m, i, g, 3, c0, ch, f, hd, pf, bf16); break;
-        case 2: chunk_block(a, t, h, m, i, g, 2, c0, ch, f, hd, pf, bf16); break;
-        case 1: chunk_block(a, t, h, m, i, g, 1, c0, ch, f, hd, pf, bf16); break;
+        case 3: chunk_block(a, t, h, m, i, g, 3, c0, n, ch, f, hd, pf, bf16); break;
+        case 2: chunk_block(a, t, h, m, i, g, 2, c0, n, ch, f, hd, pf, bf16); break;
+        case 1: chunk_block(a, t, h, m, i, g, 1, c0, n, ch, f, hd, pf, bf16); break;
         default: break;
     }
+}
+
+/* KV head h's quads of a chunk (qs: head 0's). */
+static inline Chunk quad_of_head(const Quads *qs, int h, int64_t head_bytes) {
+    Chunk ch;
+    for (int i = 0; i < 4; i++) {
+        const int64_t at = i < qs->live ? h * head_bytes : 0;  /* ZERO_QUAD stays put */
+        ch.k[i] = (const __m512i *)(qs->k[i] + at), ch.v[i] = qs->v[i] + at;
+    }
+    return ch;
 }
 
 /* One work item: tile t, KV heads h0 .. h1-1 with all heads of their groups; hd and bf16 are constants
@@ -574,36 +558,32 @@ static inline __attribute__((always_inline)) void fast_item(const Attn *a, const
                                                             Fast *f, const int hd, const int bf16) {
     const int group = a->group, nt = (int)t->num_tokens, nq = (h1 - h0) * nt * group;
     const int elem_bytes = bf16 ? 2 : 4, columns = bf16 ? hd / 2 : hd;
+    const int64_t head_bytes = (int64_t)a->block_size * hd * elem_bytes;
     const int64_t *table = a->block_tables + t->seq * a->max_blocks, last = t->context + nt - 1;
     /* prefetch steps per block of query heads: see block_scores and block_pv */
     const int block_steps = columns / 16 * 2 + (hd + 63) / 64 * (bf16 ? CHUNK / 2 : CHUNK);
     memset(f->acc, 0, sizeof(float) * nq * hd);
     memset(f->lsum, 0, sizeof(float) * nq * CHUNK);
     for (int m = 0; m < nq; m++) f->mx[m] = -INFINITY;
-    /* head-0 rows of this chunk's keys and of the next one's (prefetched meanwhile) */
-    const char *rows[2][2][CHUNK];
+    /* this chunk's quads and the next one's (prefetched meanwhile) */
+    Quads qs[2];
     int cur = 0;
     Prefetch pf;
-    key_rows(a, table, 0, imin(CHUNK, last), elem_bytes, rows[cur][0], rows[cur][1]);
-    prefetch_start(&pf, a, rows[cur][0], rows[cur][1], imin(CHUNK, last), h0, h1, 1, elem_bytes);
+    qs[cur] = chunk_quads(a, table, 0, imin(CHUNK, last), elem_bytes);
+    prefetch_start(&pf, a, &qs[cur], h0, h1, 1, elem_bytes);
     prefetch_rest(&pf);  /* the first chunk: nothing to hide it behind */
     for (int64_t c0 = 0; c0 < last; c0 += CHUNK, cur ^= 1) {
         int n = imin(CHUNK, last - c0);
         int first_token = c0 >= t->context ? (int)(c0 - t->context + 1) : 0;  /* causal */
         pf.num_ranges = 0;
         if (c0 + CHUNK < last) {
-            int next = imin(CHUNK, last - c0 - CHUNK);
-            key_rows(a, table, c0 + CHUNK, next, elem_bytes, rows[cur ^ 1][0], rows[cur ^ 1][1]);
-            prefetch_start(&pf, a, rows[cur ^ 1][0], rows[cur ^ 1][1], next, h0, h1,
+            qs[cur ^ 1] = chunk_quads(a, table, c0 + CHUNK, imin(CHUNK, last - c0 - CHUNK), elem_bytes);
+            prefetch_start(&pf, a, &qs[cur ^ 1], h0, h1,
                            (h1 - h0) * (((nt - first_token) * group + 3) / 4) * block_steps, elem_bytes);
         }
         for (int h = h0; h < h1; h++) {
-            const void *krows[CHUNK], *vrows[CHUNK];
-            chunk_pointers(rows[cur][0], rows[cur][1], n, (int64_t)h * hd * elem_bytes, krows, vrows);
-            stage_keys(krows, columns, f->kb);
-            if (bf16) stage_values(vrows, hd, f->vi);
-            Chunk ch = {f->kb, f->vi, vrows};
-            chunk_head(a, t, h0, h, nt, first_token, c0, &ch, f, hd, &pf, bf16);
+            Chunk ch = quad_of_head(&qs[cur], h, head_bytes);
+            chunk_head(a, t, h0, h, nt, first_token, c0, n, &ch, f, hd, &pf, bf16);
         }
         prefetch_rest(&pf);
     }
@@ -618,9 +598,10 @@ static inline __attribute__((always_inline)) void fast_item(const Attn *a, const
 
 /* ------------------------------------------------------------------------------------------ driver */
 
-/* The AVX-512 path: fp32 with AVX-512F/BW, bf16 with AVX512-BF16 too; whole 16-element columns. */
+/* The AVX-512 path: fp32 with AVX-512F/BW, bf16 with AVX512-BF16 too; whole 16-column blocks, whole
+ * quads in a block. It reads the kernel layout, which paged_write_kv writes under the same test. */
 static inline int use_fast_path(const Attn *a, int is_bf16) {
-    if (a->head_dim > MAX_FAST_HEAD_DIM) return 0;
+    if (a->head_dim > MAX_FAST_HEAD_DIM || a->block_size % 4 != 0) return 0;
     if (is_bf16) return HAVE_AVX512BF16 && a->head_dim % 32 == 0;
     return HAVE_AVX512 && a->head_dim % 16 == 0;
 }
@@ -723,9 +704,92 @@ int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_
                      num_heads, num_kv_heads, head_dim, block_size, scale, 1);
 }
 
-/* 1 when this dtype (bf16 or fp32) at this head_dim runs the AVX-512 path (tests report the path). */
-int paged_attention_is_fast(int is_bf16, int head_dim) {
+/* 1 when this dtype (bf16 or fp32), head_dim and block_size run the AVX-512 path, on the kernel layout
+ * (tests report the path; 0: the plain C path on the natural layout). */
+int paged_attention_is_fast(int is_bf16, int head_dim, int block_size) {
     Attn a = {0};
-    a.head_dim = head_dim;
+    a.head_dim = head_dim, a.block_size = block_size;
     return use_fast_path(&a, is_bf16);
+}
+
+/* ---------------------------------------------------------------------------------------- K/V write */
+
+#if HAVE_AVX512
+/* Where key t (t < block_size) of KV head h in block b starts its quad, in elements (kernel layout). */
+static inline int64_t quad_start(const Attn *a, int64_t b, int h, int t) {
+    return ((b * a->num_kv_heads + h) * a->block_size + t / 4 * 4) * a->head_dim;
+}
+
+/* One key's K and V rows of one KV head into its quads (kernel layout, file header): K column c (a
+ * 32-bit element) to dword ((c / 16 * 4 + c % 4) * 4 + c % 16 / 4) * 4 + r of the quad, r = t % 4, a
+ * column block's 16 dwords as 4 in-lane broadcasts and masked stores; bf16 V element d to (r / 2 *
+ * head_dim + d) * 2 + r % 2 (widened, shifted into place, masked store); fp32 V row r as it is. (Scalar
+ * stores, one per element, made the write 2x slower at decode B=32.) */
+static inline void write_key(const Attn *a, const char *krow, const char *vrow, void *k_cache, void *v_cache,
+                             int64_t b, int h, int t, int is_bf16) {
+    const int hd = a->head_dim, r = t % 4, columns = is_bf16 ? hd / 2 : hd;
+    const int64_t q = quad_start(a, b, h, t);
+    uint32_t *kq = (uint32_t *)((char *)k_cache + q * (is_bf16 ? 2 : 4));
+    const __mmask16 lanes = (__mmask16)(0x1111u << r);
+    for (int cb = 0; cb < columns / 16; cb++) {
+        __m512i x = _mm512_loadu_si512(krow + 64 * cb);
+        _mm512_mask_storeu_epi32(kq + (cb * 4 + 0) * 16, lanes, _mm512_shuffle_epi32(x, (_MM_PERM_ENUM)0x00));
+        _mm512_mask_storeu_epi32(kq + (cb * 4 + 1) * 16, lanes, _mm512_shuffle_epi32(x, (_MM_PERM_ENUM)0x55));
+        _mm512_mask_storeu_epi32(kq + (cb * 4 + 2) * 16, lanes, _mm512_shuffle_epi32(x, (_MM_PERM_ENUM)0xaa));
+        _mm512_mask_storeu_epi32(kq + (cb * 4 + 3) * 16, lanes, _mm512_shuffle_epi32(x, (_MM_PERM_ENUM)0xff));
+    }
+    if (is_bf16) {
+        uint16_t *vq = (uint16_t *)v_cache + q + (r / 2) * hd * 2;
+        const __mmask32 half = r % 2 ? 0xaaaaaaaau : 0x55555555u;
+        for (int d0 = 0; d0 < hd; d0 += 16) {
+            __m512i y = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrow + 2 * d0)));
+            _mm512_mask_storeu_epi16(vq + 2 * d0, half, r % 2 ? _mm512_slli_epi32(y, 16) : y);
+        }
+        return;
+    }
+    memcpy((float *)v_cache + q + r * hd, vrow, sizeof(float) * hd);
+}
+#endif
+
+/* k, v rows [num_tokens] (token i's head h at i * stride + h * head_dim elements) into the cache slots
+ * slot_mapping[i]: the kernel layout where use_fast_path holds, else [blocks, block_size, kv heads,
+ * head_dim]. Every write to a cache this kernel reads goes through here, so writer and reader agree. */
+static void write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_cache,
+                     void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
+                     int head_dim, int block_size, int is_bf16) {
+    Attn a = {0};
+    a.num_kv_heads = num_kv_heads, a.head_dim = head_dim, a.block_size = block_size;
+    const int fast = use_fast_path(&a, is_bf16), size = is_bf16 ? 2 : 4;
+    const int64_t width = (int64_t)num_kv_heads * head_dim;
+#pragma omp parallel for schedule(static) if (num_tokens >= 256)
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const char *krow = (const char *)k + i * k_stride * size, *vrow = (const char *)v + i * v_stride * size;
+        const int64_t slot = slot_mapping[i];
+#if HAVE_AVX512
+        if (fast) {
+            for (int h = 0; h < num_kv_heads; h++)
+                write_key(&a, krow + (int64_t)h * head_dim * size, vrow + (int64_t)h * head_dim * size, k_cache,
+                          v_cache, slot / block_size, h, (int)(slot % block_size), is_bf16);
+            continue;
+        }
+#else
+        (void)fast, (void)a;
+#endif
+        memcpy((char *)k_cache + slot * width * size, krow, width * size);
+        memcpy((char *)v_cache + slot * width * size, vrow, width * size);
+    }
+}
+
+void paged_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
+                        float *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
+                        int head_dim, int block_size) {
+    write_kv(k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim,
+             block_size, 0);
+}
+
+void paged_write_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                         uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping, int64_t num_tokens,
+                         int num_kv_heads, int head_dim, int block_size) {
+    write_kv(k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim,
+             block_size, 1);
 }
