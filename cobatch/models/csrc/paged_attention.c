@@ -16,8 +16,8 @@
  *   k/v cache     plain C path: [num_blocks, block_size, num_kv_heads, head_dim]. AVX-512 path (the
  *                 kernel layout): head-major blocks of quads, [num_blocks][num_kv_heads][block_size / 4]
  *                 [quad], a quad holding 4 consecutive keys (r = key % 4) pre-arranged for the arithmetic,
- *                 so nothing is transposed or interleaved at read time (that staging took a third of
- *                 decode attention's time with K/V in cache, ~10-30% from DRAM, measured in one process):
+ *                 so nothing is transposed or interleaved at read time (that staging took ~20-25% of
+ *                 decode attention's time with K/V in cache, 2-12% from DRAM, measured in one process):
  *       K quad    [cb][j][L][r][p]: one 64-byte vector per (cb, j), whose 128-bit lane L holds column
  *                 c = 16 cb + 4L + j of the 4 keys; a column is 32 bits (e elements: bf16 pair, e = 2,
  *                 d = 2c + p; fp32, e = 1, d = c);
@@ -336,7 +336,7 @@ static inline __m512 exp2_ps(__m512 x) {
 }
 
 /* quad i's vector of keys 4i .. 4i+3 (dword r: key 4i + r) holds in 128-bit lane L the column
- * 16 cb + 4L + j (see the cache layout, kernel_offset_k): acc[q][i] lane L sums q's columns 4L + j
+ * 16 cb + 4L + j (the K quad of the file header): acc[q][i] lane L sums q's columns 4L + j
  * against it; sum_lanes adds the four lanes at the end: a transposed read without a transpose. */
 static inline __m512 sum_lanes(const __m512 acc[4]) {
     __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(1, 0, 1, 0)),
