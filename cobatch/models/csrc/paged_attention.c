@@ -244,22 +244,26 @@ static Fast fast_scratch(const Attn *a, int64_t max_queries, char *buf) {
     return f;
 }
 
+/* Where key t (t < block_size) of KV head h in block b starts its quad, in elements (kernel layout). */
+static inline int64_t quad_start(const Attn *a, int64_t b, int h, int t) {
+    return ((b * a->num_kv_heads + h) * a->block_size + t / 4 * 4) * a->head_dim;
+}
+
 /* A chunk's four quads for KV head 0 (head h's: + h * head_bytes), K and V: quads holding none of its
  * n keys point at ZERO_QUAD (and stay there for every head, see quad_of_head). One division per chunk. */
-typedef struct { const char *k[4], *v[4]; int live; } Quads;
+typedef struct { const char *k[4], *v[4]; int live; int64_t head_bytes; } Quads;
 
 static inline Quads chunk_quads(const Attn *a, const int64_t *table, int64_t c0, int n, int elem_bytes) {
-    const int64_t head_bytes = (int64_t)a->block_size * a->head_dim * elem_bytes;
     int64_t b = c0 / a->block_size, off = c0 % a->block_size;
     Quads qs;
-    qs.live = (n + 3) / 4;
+    qs.live = (n + 3) / 4, qs.head_bytes = (int64_t)a->block_size * a->head_dim * elem_bytes;
     for (int i = 0; i < 4; i++, off += 4) {
         if (off == a->block_size) b++, off = 0;
         if (i >= qs.live) {
             qs.k[i] = qs.v[i] = (const char *)ZERO_QUAD;
             continue;
         }
-        int64_t at = table[b] * a->num_kv_heads * head_bytes + off * a->head_dim * elem_bytes;
+        const int64_t at = quad_start(a, table[b], 0, (int)off) * elem_bytes;
         qs.k[i] = (const char *)a->k_cache + at, qs.v[i] = (const char *)a->v_cache + at;
     }
     return qs;
@@ -301,12 +305,12 @@ static inline void add_range(Prefetch *p, const char *start, int64_t bytes) {
 /* Aim at the live quads of qs for KV heads h0 .. h1-1, spread over `steps` calls. */
 static inline void prefetch_start(Prefetch *p, const Attn *a, const Quads *qs, int h0, int h1, int steps,
                                   int elem_bytes) {
-    const int64_t quad_bytes = 4 * (int64_t)a->head_dim * elem_bytes, head_bytes = quad_bytes / 4 * a->block_size;
+    const int64_t quad_bytes = 4 * (int64_t)a->head_dim * elem_bytes;
     int64_t lines = 0;
     p->num_ranges = 0;
     for (int kv = 0; kv < 2; kv++)
         for (int h = h0; h < h1; h++)
-            for (int i = 0; i < qs->live; i++) add_range(p, (kv ? qs->v[i] : qs->k[i]) + h * head_bytes, quad_bytes);
+            for (int i = 0; i < qs->live; i++) add_range(p, (kv ? qs->v[i] : qs->k[i]) + h * qs->head_bytes, quad_bytes);
     for (int r = 0; r < p->num_ranges; r++) lines += (p->end[r] - p->start[r] + 63) / 64;
     p->per_step = (int)((lines + steps - 1) / (steps > 0 ? steps : 1));
     p->range = 0, p->at = p->num_ranges > 0 ? p->start[0] : NULL;
@@ -542,10 +546,10 @@ static inline __attribute__((always_inline)) void chunk_head(const Attn *a, cons
 }
 
 /* KV head h's quads of a chunk (qs: head 0's). */
-static inline Chunk quad_of_head(const Quads *qs, int h, int64_t head_bytes) {
+static inline Chunk quad_of_head(const Quads *qs, int h) {
     Chunk ch;
     for (int i = 0; i < 4; i++) {
-        const int64_t at = i < qs->live ? h * head_bytes : 0;  /* ZERO_QUAD stays put */
+        const int64_t at = i < qs->live ? h * qs->head_bytes : 0;  /* ZERO_QUAD stays put */
         ch.k[i] = (const __m512i *)(qs->k[i] + at), ch.v[i] = qs->v[i] + at;
     }
     return ch;
@@ -558,7 +562,6 @@ static inline __attribute__((always_inline)) void fast_item(const Attn *a, const
                                                             Fast *f, const int hd, const int bf16) {
     const int group = a->group, nt = (int)t->num_tokens, nq = (h1 - h0) * nt * group;
     const int elem_bytes = bf16 ? 2 : 4, columns = bf16 ? hd / 2 : hd;
-    const int64_t head_bytes = (int64_t)a->block_size * hd * elem_bytes;
     const int64_t *table = a->block_tables + t->seq * a->max_blocks, last = t->context + nt - 1;
     /* prefetch steps per block of query heads: see block_scores and block_pv */
     const int block_steps = columns / 16 * 2 + (hd + 63) / 64 * (bf16 ? CHUNK / 2 : CHUNK);
@@ -582,7 +585,7 @@ static inline __attribute__((always_inline)) void fast_item(const Attn *a, const
                            (h1 - h0) * (((nt - first_token) * group + 3) / 4) * block_steps, elem_bytes);
         }
         for (int h = h0; h < h1; h++) {
-            Chunk ch = quad_of_head(&qs[cur], h, head_bytes);
+            Chunk ch = quad_of_head(&qs[cur], h);
             chunk_head(a, t, h0, h, nt, first_token, c0, n, &ch, f, hd, &pf, bf16);
         }
         prefetch_rest(&pf);
@@ -715,11 +718,6 @@ int paged_attention_is_fast(int is_bf16, int head_dim, int block_size) {
 /* ---------------------------------------------------------------------------------------- K/V write */
 
 #if HAVE_AVX512
-/* Where key t (t < block_size) of KV head h in block b starts its quad, in elements (kernel layout). */
-static inline int64_t quad_start(const Attn *a, int64_t b, int h, int t) {
-    return ((b * a->num_kv_heads + h) * a->block_size + t / 4 * 4) * a->head_dim;
-}
-
 /* One key's K and V rows of one KV head into its quads (kernel layout, file header): K column c (a
  * 32-bit element) to dword ((c / 16 * 4 + c % 4) * 4 + c % 16 / 4) * 4 + r of the quad, r = t % 4, a
  * column block's 16 dwords as 4 in-lane broadcasts and masked stores; bf16 V element d to (r / 2 *
