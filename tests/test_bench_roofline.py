@@ -6,8 +6,10 @@ import argparse
 
 import pytest
 
-from cobatch.bench.roofline import (Machine, ModelCost, add_arguments, ideal_schedule_s, measure_machine,
-                                   model_cost, roofline_tokens_per_s, run_against_ceiling)
+from cobatch.bench.roofline import (Machine, ModelCost, add_arguments, gap_by_step_kind, ideal_schedule_s,
+                                   measure_machine, model_cost, roofline_tokens_per_s, run_against_ceiling,
+                                   step_ideal_s, step_kind)
+from cobatch.engine import StepStats
 from cobatch.models.linear import is_gate_up_packed, is_packed, native_gemm
 from tests.runner_helpers import runner_for, tiny_hf_model
 
@@ -60,6 +62,36 @@ def test_ideal_schedule_prefills_at_peak_then_decodes_the_shrinking_batch() -> N
     assert ideal_schedule_s(cost, machine, [10, 20], [1, 3]) == pytest.approx(1.22 + 2.0)
 
 
+def _step(duration_s: float, prefill: int, decode: int, generated: int, padding: int = 0) -> StepStats:
+    return StepStats(step=0, start_time=0.0, duration_s=duration_s, schedule_s=0.0, execute_s=duration_s,
+                     num_running=decode, num_waiting=0, num_swapped=0, num_rows=decode + padding + (prefill > 0),
+                     num_prefill_tokens=prefill, num_decode_tokens=decode, num_padding_rows=padding,
+                     num_context_tokens=0, num_kv_blocks_used=0, kv_usage=0.0, num_preempted=0,
+                     num_generated_tokens=generated, num_draft_tokens=0, num_accepted_tokens=0, predicted_s=0.0,
+                     prefix_cache_hit_rate=0.0, row_request_ids=())
+
+
+def test_gap_by_step_kind_sets_each_step_against_its_ideal_time() -> None:
+    """A prefill step's tokens at the GEMM peak (lm_head for the sampled rows only), a decode step at its
+    batch's roofline; kinds by batch size; largest gap first; padding rows are not the batch."""
+    cost = ModelCost(weight_bytes=100, flops_per_token=50, lm_head_flops=10)
+    machine = Machine(gemm_flops_per_s=1000.0, read_bytes_per_s=100.0)
+    # 20 prompt + 2 decode tokens x 40 body FLOP + 3 sampled x 10 = 910 FLOP = 0.91 s
+    assert step_ideal_s(cost, machine, 20, 2, 3) == pytest.approx(0.91)
+    assert step_ideal_s(cost, machine, 0, 4, 4) == pytest.approx(1.0)  # bandwidth-bound: the weights once
+    assert step_ideal_s(cost, machine, 0, 40, 40) == pytest.approx(2.0)  # compute-bound: 40 x 50 / 1000
+    assert [step_kind(5, 3), step_kind(0, 1), step_kind(0, 9), step_kind(0, 32), step_kind(0, 33),
+            step_kind(0, 65)] == ["prefill", "decode B 1-8", "decode B 9-16", "decode B 17-32",
+                                  "decode B 33-64", "decode B > 64"]
+    stats = [_step(1.5, 20, 2, 3), _step(1.0, 0, 4, 4), _step(1.5, 0, 4, 4, padding=6), _step(2.5, 0, 40, 40)]
+    rows = {r["kind"]: r for r in gap_by_step_kind(stats, cost, machine)}
+    assert rows["decode B 1-8"]["steps"] == 2  # 4 rows + 6 padding: still a batch of 4
+    assert rows["decode B 1-8"]["ideal_s"] == pytest.approx(2.0) and rows["decode B 1-8"]["gap_s"] == pytest.approx(0.5)
+    assert rows["prefill"]["gap_s"] == pytest.approx(0.59)
+    assert rows["decode B 33-64"]["gap_share_of_run"] == pytest.approx(0.5 / 6.5)
+    assert [r["kind"] for r in gap_by_step_kind(stats, cost, machine)][0] == "prefill"  # largest gap first
+
+
 def test_workload_runs_report_each_the_best_and_the_median(capsys: pytest.CaptureFixture[str]) -> None:
     """--runs N: every run printed; the share of the ceiling is the best run's, the median's beside it."""
     parser = argparse.ArgumentParser()
@@ -76,6 +108,7 @@ def test_workload_runs_report_each_the_best_and_the_median(capsys: pytest.Captur
     assert out["share_of_ceiling"] == pytest.approx(max(rates) / out["ceiling_tokens_per_s"])
     printed = capsys.readouterr().out
     assert printed.count("(run ") == 3 and "best of 3 runs" in printed and "speculative" not in out
+    assert "ceiling's rates" in printed and sum(r["steps"] for r in out["gap_by_step_kind"]) > 0
     # with drafts: plain and speculative runs alternate against the same ceiling, reported apart
     args.num_speculative_tokens, args.runs = 2, 2
     out = run_against_ceiling(args, runner, cost, Machine(gemm_flops_per_s=1e12, read_bytes_per_s=1e11))

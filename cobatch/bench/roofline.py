@@ -16,7 +16,9 @@ at the given contexts, so a long context shows as a lower share.
 With `--workload`, the same figures give the ceiling of a whole offline run (issue 5's "ideal
 schedule"): every prompt token at the GEMM peak (lm_head only for the last one), then one decode step per
 output position with the true shrinking batch (requests still generating), each at its roofline time.
-The engine then runs that workload and its useful tokens/s is reported as a share of the ceiling.
+The engine then runs that workload and its useful tokens/s is reported as a share of the ceiling, and
+the best run's steps are set against the same rates by step kind (gap_by_step_kind): where the run
+loses its time, prefill or decode at which batch size.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ import argparse
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from cobatch.bench.common import (add_engine_arguments, add_workload_arguments, engine_config_from_args,
                                   workload_from_args, write_json)
 from cobatch.bench.steps import decode_step, time_step
+
+if TYPE_CHECKING:
+    from cobatch.engine import StepStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,57 @@ def ideal_schedule_s(cost: ModelCost, machine: Machine, prompt_lens: list[int], 
         batch_size = sum(1 for n in output_lens if n > step)
         seconds += batch_size / roofline_tokens_per_s(cost, machine, batch_size)
     return seconds
+
+
+# Decode-only steps grouped by batch size (rows): below ~8 rows a step is bandwidth-bound at the roofline.
+_DECODE_KINDS = ((8, "decode B 1-8"), (16, "decode B 9-16"), (32, "decode B 17-32"), (64, "decode B 33-64"))
+
+
+def step_kind(num_prefill_tokens: int, num_rows: int) -> str:
+    """The step-kind label of gap_by_step_kind: "prefill" for any step carrying prompt tokens (its
+    decode rows ride along), else the decode batch's size class."""
+    if num_prefill_tokens:
+        return "prefill"
+    return next((label for top, label in _DECODE_KINDS if num_rows <= top), f"decode B > {_DECODE_KINDS[-1][0]}")
+
+
+def step_ideal_s(cost: ModelCost, machine: Machine, num_prefill_tokens: int, num_decode_tokens: int,
+                 num_sampled: int) -> float:
+    """One step's time at the ceiling's rates: a step with prompt tokens runs all its tokens at the GEMM
+    peak (lm_head only for the rows that sample), as the ideal schedule prefills; a decode step is a
+    roofline step of its batch (drafts count as rows: they go through the weights too)."""
+    if num_prefill_tokens:
+        body = cost.flops_per_token - cost.lm_head_flops
+        flops = (num_prefill_tokens + num_decode_tokens) * body + num_sampled * cost.lm_head_flops
+        return flops / machine.gemm_flops_per_s
+    if num_decode_tokens == 0:
+        return 0.0
+    return num_decode_tokens / roofline_tokens_per_s(cost, machine, num_decode_tokens)
+
+
+def gap_by_step_kind(stats: Sequence[StepStats], cost: ModelCost, machine: Machine) -> list[dict]:
+    """Where a run loses against the ceiling: per step kind, its steps' measured seconds beside the same
+    steps at the ceiling's rates (step_ideal_s), largest gap first. Each step's useful tokens stand for
+    the rows that sampled (a prompt's last chunk and each decode row: one each)."""
+    kinds: dict[str, dict] = {}
+    for s in stats:
+        kind = kinds.setdefault(step_kind(s.num_prefill_tokens, s.num_rows - s.num_padding_rows),
+                                {"steps": 0, "seconds": 0.0, "ideal_s": 0.0})
+        kind["steps"] += 1
+        kind["seconds"] += s.duration_s
+        kind["ideal_s"] += step_ideal_s(cost, machine, s.num_prefill_tokens, s.num_decode_tokens,
+                                        s.num_generated_tokens)
+    total = sum(k["seconds"] for k in kinds.values()) or 1.0
+    rows = [{"kind": name, **k, "gap_s": k["seconds"] - k["ideal_s"],
+             "gap_share_of_run": (k["seconds"] - k["ideal_s"]) / total} for name, k in kinds.items()]
+    return sorted(rows, key=lambda r: -r["gap_s"])
+
+
+def print_gap(rows: list[dict]) -> None:
+    print("where the best run's steps spend time beyond the ceiling's rates:")
+    for r in rows:
+        print(f"  {r['kind']:>16}: {r['steps']:4d} steps {r['seconds']:7.2f} s, at the ceiling's rates "
+              f"{r['ideal_s']:6.2f} s: {r['gap_s']:+6.2f} s ({100 * r['gap_share_of_run']:+5.1f}% of the run)")
 
 
 def _best_rate(work: float, fn: Callable[[], object], reps: int) -> float:
@@ -200,14 +256,19 @@ def run_against_ceiling(args: argparse.Namespace, runner: object, cost: ModelCos
             EngineFactory(runner, config)  # type: ignore[arg-type]
     warm_up(factories["cobatch"])
     rates: dict[str, list[float]] = {label: [] for label in factories}
+    best_stats: list = []  # the best plain run's steps
     runs = max(1, args.runs)
     for i in range(runs):
         for label, factory in factories.items():
             result = run_workload(factory.make(), requests)
+            if label == "cobatch" and result.tokens_per_s > max(rates[label], default=0.0):
+                best_stats = result.stats
             rates[label].append(result.tokens_per_s)
             print(f"{label}: {result.tokens_per_s:.1f} useful tok/s in {result.duration_s:.2f} s "
                   f"= {100 * result.tokens_per_s / ceiling:.1f}% of the ceiling"
                   + (f" (run {i + 1} of {runs})" if runs > 1 else ""), flush=True)
+    out["gap_by_step_kind"] = gap_by_step_kind(best_stats, cost, machine)
+    print_gap(out["gap_by_step_kind"])
     for k, (label, label_rates) in enumerate(rates.items()):
         figures = _run_figures(label, label_rates, ceiling)
         if k == 0:
