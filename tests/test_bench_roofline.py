@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -92,13 +93,15 @@ def test_gap_by_step_kind_sets_each_step_against_its_ideal_time() -> None:
     assert [r["kind"] for r in gap_by_step_kind(stats, cost, machine)][0] == "prefill"  # largest gap first
 
 
-def test_workload_runs_report_each_the_best_and_the_median(capsys: pytest.CaptureFixture[str]) -> None:
-    """--runs N: every run printed; the share of the ceiling is the best run's, the median's beside it."""
+def test_workload_runs_report_each_the_best_and_the_median(capsys: pytest.CaptureFixture[str],
+                                                          tmp_path: Path) -> None:
+    """--runs N: every run printed; the share of the ceiling is the best run's, the median's beside it;
+    the best run's steps against the ceiling's rates, by kind and (--plot) step by step."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--workload", "mixed64", "--num-prompts", "3", "--input-len", "4-8",
                               "--output-len", "2-5", "--runs", "3", "--dtype", "float32",
-                              "--block-size", "4"])  # runner_for's blocks
+                              "--block-size", "4", "--plot", str(tmp_path / "run.png")])  # runner_for's blocks
     runner = runner_for(tiny_hf_model("llama", vocab_size=30000))  # the workload's token ids: 1000..29999
     cost = ModelCost(weight_bytes=10 ** 6, flops_per_token=10 ** 6, lm_head_flops=10 ** 5)
     out = run_against_ceiling(args, runner, cost, Machine(gemm_flops_per_s=1e12, read_bytes_per_s=1e11))
@@ -109,6 +112,7 @@ def test_workload_runs_report_each_the_best_and_the_median(capsys: pytest.Captur
     printed = capsys.readouterr().out
     assert printed.count("(run ") == 3 and "best of 3 runs" in printed and "speculative" not in out
     assert "ceiling's rates" in printed and sum(r["steps"] for r in out["gap_by_step_kind"]) > 0
+    assert (tmp_path / "run.png").stat().st_size > 0
     # with drafts: plain and speculative runs alternate against the same ceiling, reported apart
     args.num_speculative_tokens, args.runs = 2, 2
     out = run_against_ceiling(args, runner, cost, Machine(gemm_flops_per_s=1e12, read_bytes_per_s=1e11))

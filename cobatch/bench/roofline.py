@@ -189,6 +189,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None)
     add_workload_arguments(parser, default="")
     parser.add_argument("--skip-run", action="store_true", help="with --workload: the ceiling only")
+    parser.add_argument("--plot", default=None,
+                        help="with --workload: PNG of the best run's steps against the ceiling's rates")
     parser.add_argument("--runs", type=int, default=1,
                         help="with --workload: engine runs of it, each printed; the share is the best run's "
                              "(as each machine figure is its best probe), the median's printed too")
@@ -269,6 +271,11 @@ def run_against_ceiling(args: argparse.Namespace, runner: object, cost: ModelCos
                   + (f" (run {i + 1} of {runs})" if runs > 1 else ""), flush=True)
     out["gap_by_step_kind"] = gap_by_step_kind(best_stats, cost, machine)
     print_gap(out["gap_by_step_kind"])
+    if args.plot:
+        from cobatch.bench.roofline_plot import plot_run_against_ceiling
+
+        title = f"{args.workload or args.dataset}: the best of {runs} runs against the ideal schedule's rates"
+        print(f"wrote {plot_run_against_ceiling(args.plot, best_stats, cost, machine, title)}")
     for k, (label, label_rates) in enumerate(rates.items()):
         figures = _run_figures(label, label_rates, ceiling)
         if k == 0:
