@@ -9,7 +9,7 @@ PY=${PY:-.venv/bin/cobatch}
 MIXED=(--num-prompts 64 --input-len 64-256 --output-len 8-32,128-256)
 uptime
 $PY bench roofline --dtype bfloat16 --max-num-seqs 64 --batch-sizes 1,8,32,64 --contexts 64,256 --num-speculative-tokens 3 \
-    --workload mixed64 --runs 3 --output-json docs/bench/roofline.json
+    --workload mixed64 --runs 3 --output-json docs/bench/roofline.json --plot docs/img/run_vs_ceiling.png
 uptime
 $PY bench offline --workload mixed64 --max-num-seqs 64 --dtype bfloat16 --profile
 uptime
