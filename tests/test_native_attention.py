@@ -285,6 +285,11 @@ def test_decode_step_inputs_match_the_general_path() -> None:
             assert torch.equal(getattr(fast.meta, name), getattr(general.meta, name)), name
         assert fast.meta.num_decode_tokens == general.meta.num_decode_tokens
         assert len(fast.sample_indices) == sum(r.num_samples for r in rows)
+        # the flag that lets the model skip its output gather holds exactly when sampling is the identity
+        assert fast.samples_all_in_order == torch.equal(fast.sample_indices, torch.arange(len(fast.input_ids)))
+        keep, keep_tiles = fast.keep()
+        assert (keep is None and keep_tiles is None) if fast.samples_all_in_order else \
+            (keep is fast.sample_indices and keep_tiles is fast.sample_tiles)
 
 
 @needs_kernel

@@ -3,8 +3,8 @@
 gpt-fast style: explicit arguments, no HF plumbing. Q/K/V and gate/up projections are fused at load time
 (one matmul each); in bf16 on CPU `pack_linear_weights` repacks them for the native GEMM (linear.py);
 the residual add + RMSNorm, RoPE and SiLU-multiply are fused native ops (fused_ops.py).
-`forward` runs the whole step's tokens `[T]` through the layers; `compute_logits` then
-runs the final norm and lm_head only on the rows that sample.
+`forward` runs the whole step's tokens `[T]` through the layers and the final norm of the rows that
+sample; `compute_logits` runs lm_head on them.
 """
 
 from __future__ import annotations
@@ -155,19 +155,23 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: Sequence[KVCache], profile: bool = False, keep: torch.Tensor | None = None,
                 keep_tiles: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> last layer's output (final norm is in compute_logits) of the rows
-        `keep` [R] (default: all, [T, H]). The native loop uses keep_tiles (one attention tile per kept
-        row) to skip the other rows' work in the last layer past its K/V write; same values."""
+        """input_ids, positions [T] -> the final hidden states (after the last layer and the final norm)
+        of the rows `keep` [R] (default: all, [T, H]). The native loop uses keep_tiles (one attention tile
+        per kept row) to skip the other rows' work in the last layer past its K/V write; same values."""
         with scope("embed+rope_tables", profile):
             x = embedding(input_ids, self.embed_tokens)  # [T, H]
         if self.native_decoder is not None and meta.kernel is not None and not profile:
-            return self.native_decoder(x, positions, meta, kv_caches, keep, keep_tiles)
+            return self.native_decoder(x, positions, meta, kv_caches, keep, keep_tiles)  # final norm included
         residual: torch.Tensor | None = None
         rope = (self.rope_cos, self.rope_sin)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, rope, kv_cache, meta, self.ops, profile)
-        hidden = x if residual is None else residual.add_(x)
-        return hidden if keep is None else hidden[keep]
+        if keep is not None:
+            x, residual = x[keep], None if residual is None else residual[keep]
+        # the last residual add and the final norm: one fused op, as the native loop ends
+        if residual is None:  # no layers
+            return self.ops.add_rms_norm(None, x.contiguous(), self.norm, self.config.rms_norm_eps)
+        return self.ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
 
     def pack_linear_weights(self) -> int:
         """Repack every projection and lm_head (with the embeddings it is tied to) for the native GEMM,
@@ -193,7 +197,6 @@ class LlamaForCausalLM(nn.Module):
         return packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head on the sampled rows only: [R, H] -> logits [R, V] in the model dtype (the
-        sampler converts to fp32 where it needs to: a greedy batch's argmax does not)."""
-        hidden = self.ops.add_rms_norm(None, hidden.contiguous(), self.norm, self.config.rms_norm_eps)
+        """lm_head on forward's final hidden states (the sampled rows): [R, H] -> logits [R, V] in the
+        model dtype (the sampler converts to fp32 where it needs to: a greedy batch's argmax does not)."""
         return linear(hidden, self.lm_head)

@@ -39,7 +39,7 @@ _Step = _struct("Step", [(n, _I64) for n in ("num_tokens", "max_blocks", "num_ti
                 + [(n, _PTR) for n in ("positions", "slot_mapping", "block_tables", "tiles", "keep", "keep_tiles",
                                       "cos", "sin")])
 _Buffers = _struct("Buffers", [(n, _PTR) for n in ("residual", "x", "h", "qkv", "attn", "gate_up", "act",
-                                                  "residual_keep", "q_keep")])
+                                                  "residual_keep", "q_keep", "out")])
 # decoder.c's kernel_seconds in a -DKERNEL_TIMERS build, in its order (attention with the last layer's
 # gather of the kept rows, gate/up with its SiLU).
 KERNEL_TIMERS = ("norm", "qkv", "rope", "write_kv", "attention", "o_proj", "post_norm", "gate_up+silu", "down")
@@ -62,7 +62,7 @@ class NativeDecoder:
         self._model, self._lib = model, lib
         self._fn = lib.decoder_forward
         self._fn.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Shape), ctypes.POINTER(_Layer),
-                             ctypes.c_int, ctypes.POINTER(_Step), ctypes.POINTER(_Buffers), ctypes.c_int]
+                             ctypes.c_int, _PTR, ctypes.POINTER(_Step), ctypes.POINTER(_Buffers), ctypes.c_int]
         self._fn.restype = ctypes.c_int
         gemm, ops, attention = (load_library(name) for name in ("gemm_bf16", "fused_ops", "paged_attention"))
         self._kernels = _Kernels(*(ctypes.cast(f, _PTR).value for f in (
@@ -111,18 +111,22 @@ class NativeDecoder:
     def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: Sequence[KVCache], keep: torch.Tensor | None = None,
                  keep_tiles: torch.Tensor | None = None) -> torch.Tensor:
-        """embeddings [T, H] (overwritten), positions [T] -> the last layer's output (before the final norm)
-        of the rows `keep` [R] (all rows, in order, when None). With keep_tiles ([R, 4]: one attention tile
-        per kept row, see csrc/decoder.c) the last layer computes only those rows past its K/V write."""
+        """embeddings [T, H] (overwritten), positions [T] -> the final hidden states (after the final norm)
+        of the rows `keep` [R] (all rows, in order, when None). With keep, keep_tiles ([R, 4]: one attention
+        tile per kept row, see csrc/decoder.c) lets the last layer compute only those rows past its K/V
+        write."""
         assert meta.block_tables is not None and meta.tiles is not None, "needs the native attention's metadata"
+        if keep is not None and keep_tiles is None:
+            raise ValueError("keep needs keep_tiles: the rows' last-layer attention tiles")
         self._bind_caches(kv_caches)
         c, num_tokens = self._model.config, embeddings.shape[0]
-        prune = keep is not None and keep_tiles is not None and len(keep) < num_tokens
+        prune = keep is not None
         num_keep = len(keep) if prune else 0
         residual, positions = embeddings.contiguous(), positions.contiguous()
         x, *scratch = self._workspace(num_tokens)
         buffers = [residual, x, *scratch] + [residual.new_empty(num_keep, width)
                                             for width in (c.hidden_size, c.qkv_size)]
+        out = residual.new_empty(num_keep if prune else num_tokens, c.hidden_size)
         # Every tensor whose address C gets stays referenced here until the call returns.
         block_tables, tiles = meta.block_tables.contiguous(), meta.tiles.contiguous()
         slot_mapping = meta.slot_mapping.contiguous()
@@ -130,16 +134,14 @@ class NativeDecoder:
         step = _Step(num_tokens, block_tables.shape[1], tiles.shape[0], num_keep, positions.data_ptr(),
                      slot_mapping.data_ptr(), block_tables.data_ptr(), tiles.data_ptr(),
                      *(_ptr(t) for t in kept), self._model.rope_cos.data_ptr(), self._model.rope_sin.data_ptr())
-        status = self._fn(self._kernels, self._shape, self._layers, len(self._layers), step,
-                          _Buffers(*(b.data_ptr() for b in buffers)), torch.get_num_threads())
+        status = self._fn(self._kernels, self._shape, self._layers, len(self._layers),
+                          self._model.norm.data_ptr(), step, _Buffers(*(b.data_ptr() for b in [*buffers, out])),
+                          torch.get_num_threads())
         if status == -1:
             raise MemoryError("native attention could not allocate its scratch buffers")
         if status != 0:
             raise RuntimeError(f"native decoder failed with status {status}")
-        if prune:
-            return buffers[-2].add_(x[:num_keep])  # residual_keep + the kept rows' last MLP output
-        hidden = residual.add_(x)
-        return hidden if keep is None else hidden[keep]
+        return out
 
     def _workspace(self, num_tokens: int) -> list[torch.Tensor]:
         """x, h, qkv, attn, gate_up, act for num_tokens rows: views of one buffer kept across steps and

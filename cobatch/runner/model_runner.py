@@ -1,7 +1,8 @@
 """ModelRunner: owns the model and the paged KV cache; turns a SchedulerOutput into sampled tokens.
 
 One step: swap-out copies, swap-in copies, then one forward over the ragged batch (decode rows first, then
-prefill rows; see models/attention.py), final norm + lm_head on the sampled rows only, then the sampler.
+prefill rows; see models/attention.py) ending in the final norm of the sampled rows only, their lm_head,
+then the sampler.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class ModelRunner:
         batch = prepare_batch(out.rows, self.block_size, self.device, self.attention_kernel, self.scratch_slot)
         t1 = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches, self._profiling,
-                            batch.sample_indices, batch.sample_tiles)  # [R, H]: the rows that sample
+                            *batch.keep())  # [R, H]: the rows that sample
         t2 = time.perf_counter()
         with scope("lm_head", self._profiling):
             logits = self.model.compute_logits(hidden)  # [R, V] model dtype
@@ -203,16 +204,25 @@ def _pair_indices(pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch
 class Batch:
     """Flat step inputs: token ids and positions [T], attention metadata, positions to sample [R]."""
 
-    __slots__ = ("input_ids", "positions", "meta", "sample_indices", "sample_tiles")
+    __slots__ = ("input_ids", "positions", "meta", "sample_indices", "sample_tiles", "samples_all_in_order")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 sample_indices: torch.Tensor, sample_tiles: torch.Tensor | None = None) -> None:
+                 sample_indices: torch.Tensor, sample_tiles: torch.Tensor | None = None,
+                 samples_all_in_order: bool = False) -> None:
         self.input_ids, self.positions, self.meta = input_ids, positions, meta
         # [R]: the flat token of each sample, in `rows` order (a row's last num_samples tokens)
         self.sample_indices = sample_indices
         # [R, 4] (native attention only): each sampled token alone as an attention tile over its row's
         # blocks (row, its index in sample_indices, 1, context): the last layer attends for just these.
         self.sample_tiles = sample_tiles
+        # sample_indices is 0 .. T-1 (a plain decode step): the model's output needs no gather
+        self.samples_all_in_order = samples_all_in_order
+
+    def keep(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What the model is asked for (keep, keep_tiles): the sampled rows, or None for all rows in
+        order. Why: after the forward every small torch op runs with cold caches (~50-100 us), and a
+        plain decode step samples every row in order, so its gather would copy the output as it is."""
+        return (None, None) if self.samples_all_in_order else (self.sample_indices, self.sample_tiles)
 
 
 def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.device,
@@ -308,7 +318,7 @@ def _prepare_decode(rows: Sequence[ScheduledRow], block_size: int, device: torch
     meta.kernel = attention_kernel
     meta.block_tables, meta.tiles = _ints(tables, device), _ints(tiles, device)
     return Batch(_ints(token_ids, device), _ints(positions, device), meta, _ints(sampled, device),
-                 _ints(sample_tiles, device).view(-1, 4))
+                 _ints(sample_tiles, device).view(-1, 4), samples_all_in_order=sampled == list(range(len(token_ids))))
 
 
 def _ints(values: list, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,9 @@
  *   x = attn @ Wo (+ b)                                  h = add_rms_norm(x, residual += x, post_norm)
  *   gate_up = h @ Wgu                                    act = silu(gate) * up        x = act @ Wdown
  * (with a gate/up-packed Wgu, fused_mlp: act straight from h in one kernel, gemm_bf16_silu, same bits).
- * The caller finishes with residual += x (the final norm belongs to compute_logits).
+ * After the last layer: residual += x and the final norm, one fused op, into `out` (the model's final hidden
+ * states, which lm_head reads): in C, right after the loop, rather than as a torch op after the call, where
+ * every small op ran with cold caches (~0.1 ms a decode step).
  */
 #include <stdint.h>
 #include <string.h>
@@ -89,11 +91,11 @@ typedef struct {
     const void *cos, *sin;  /* RoPE tables [max_pos, head_dim / 2] */
 } Step;
 
-/* Activations, bf16 rows: residual (in: the embeddings; out: the running sum before the last MLP), x (out:
- * the last MLP output), h [hidden], qkv [(heads + 2 kv heads) head_dim], attn [heads head_dim], gate_up
- * [2 inter], act [inter], num_tokens rows each; with keep, residual_keep [num_keep, hidden] and q_keep
- * [num_keep, qkv width] hold the kept rows, and the outputs are residual_keep and x's first num_keep rows. */
-typedef struct { void *residual, *x, *h, *qkv, *attn, *gate_up, *act, *residual_keep, *q_keep; } Buffers;
+/* Activations, bf16 rows: residual (in: the embeddings), x, h [hidden], qkv [(heads + 2 kv heads) head_dim],
+ * attn [heads head_dim], gate_up [2 inter], act [inter], num_tokens rows each; with keep, residual_keep
+ * [num_keep, hidden] and q_keep [num_keep, qkv width] hold the kept rows. out [num_tokens, hidden] (with
+ * keep: [num_keep, hidden]): the final hidden states, after the final norm. */
+typedef struct { void *residual, *x, *h, *qkv, *attn, *gate_up, *act, *residual_keep, *q_keep, *out; } Buffers;
 
 /* dst[i] = src[rows[i]] for n rows of `width` bf16 values. */
 static void gather_rows(void *dst, const void *src, const int64_t *rows, int64_t n, int64_t width) {
@@ -150,15 +152,20 @@ static int layer_forward(const Kernels *k, const Shape *s, const Layer *l, const
     return status;
 }
 
-/* All layers of one step (bf16). Returns 0, or the status of the first failing kernel (paged attention:
- * -1 out of memory for its scratch; gemm_bf16: -2 bad shape, which packed weights rule out). */
-int decoder_forward(const Kernels *k, const Shape *s, const Layer *layers, int num_layers, const Step *st,
-                    const Buffers *b, int threads) {
+/* All layers of one step (bf16), then the final norm (its weight: final_norm) into b->out. Returns 0, or
+ * the status of the first failing kernel (paged attention: -1 out of memory for its scratch; gemm_bf16:
+ * -2 bad shape, which packed weights rule out). */
+int decoder_forward(const Kernels *k, const Shape *s, const Layer *layers, int num_layers, const void *final_norm,
+                    const Step *st, const Buffers *b, int threads) {
     if (st->num_tokens <= 0) return 0;
     TIMER_START();
     for (int i = 0; i < num_layers; i++) {
         int status = layer_forward(k, s, &layers[i], st, b, i == 0, i == num_layers - 1, threads);
         if (status) return status;
     }
+    const int keep = st->keep != NULL;
+    k->add_rms_norm(num_layers > 0 ? b->x : NULL, keep ? b->residual_keep : b->residual, final_norm, b->out,
+                    keep ? st->num_keep : st->num_tokens, s->hidden, s->eps, 1);
+    TIMER(0);  /* with the layers' input norms */
     return 0;
 }
