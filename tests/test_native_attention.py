@@ -226,6 +226,38 @@ def test_write_kv_stores_the_documented_layout(dtype: torch.dtype, heads: tuple[
     assert torch.equal(v_out, documented_layout(v_nat, False) if fast else v_nat)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 40)])  # the AVX-512 path, the plain C path
+@pytest.mark.parametrize("rows", [MIXED_ROWS, [(30, 1), (0, 9)], [(15, 1)]])  # one row: per-head items
+def test_decode_rows_write_their_own_kv(dtype: torch.dtype, heads: tuple[int, int, int],
+                                        rows: list[tuple[int, int]]) -> None:
+    """num_own_writes: the kernel stores the leading one-token rows' K/V (read from their q rows, after
+    the query heads) before reading them: the same output and the same cache, bit for bit, as writing
+    them first. Their slots start as NaN, so a read before the write would show."""
+    assert KERNEL is not None
+    num_heads, kvh, hd = heads
+    case = Case(dtype, heads, 16, rows, seed=3)
+    tiles = case.tiles()
+    k_full, v_full = kernel_caches(case.k_cache, case.v_cache)
+    want = KERNEL(case.q, k_full, v_full, case.tables, tiles, case.scale)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in rows])
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([n for _, n in rows]))
+    slots = case.tables[row_of, positions // 16] * 16 + positions % 16
+    new_k, new_v = (cache.view(-1, kvh, hd)[slots] for cache in (case.k_cache, case.v_cache))
+    num_decode = next((i for i, (_, n) in enumerate(rows) if n != 1), len(rows))  # the leading one-token rows
+    k_nat, v_nat = case.k_cache.clone(), case.v_cache.clone()
+    k_nat.view(-1, kvh, hd)[slots[:num_decode]] = float("nan")
+    v_nat.view(-1, kvh, hd)[slots[:num_decode]] = float("nan")
+    k_cache, v_cache = kernel_caches(k_nat, v_nat)
+    qkv = torch.cat([case.q.flatten(1), new_k.flatten(1), new_v.flatten(1)], dim=1)  # a fused QKV's rows
+    q = qkv[:, :num_heads * hd].view(-1, num_heads, hd)
+    got = KERNEL(q, k_cache, v_cache, case.tables, tiles, case.scale, num_own_writes=num_decode)
+    assert num_decode > 0 and torch.equal(got, want)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # unused slots hold NaN: compare bits
+    assert torch.equal(k_cache.view(bits), k_full.view(bits)) and torch.equal(v_cache.view(bits), v_full.view(bits))
+
+
 def test_make_tiles() -> None:
     tiles = make_tiles(torch.tensor([7, 0, 3]), torch.tensor([1, 5, 2]), tile_tokens=2)
     # (row, first token, num tokens, context of the first token)

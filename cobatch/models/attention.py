@@ -65,6 +65,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
     num_decode_tokens: int  # decode rows are tokens [0, num_decode_tokens) of the flat batch
+    # The C layer loop: its first num_own_writes tokens are one-token rows (one tile each, in order) whose
+    # K/V the attention kernel writes itself, at their natural slots (no padding redirect): 0 = none.
+    num_own_writes: int = 0
     # Native path: one call over all tokens.
     kernel: AttentionKernel | None = None
     block_tables: torch.Tensor | None = None  # [R, max_blocks] int64, one row per scheduled row

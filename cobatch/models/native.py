@@ -32,9 +32,9 @@ _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno
 _COMPILE_TIMEOUT_S = 120
 _DISABLE_ENV = "COBATCH_NO_NATIVE"  # set to 1 to force the pure-torch path (A/B measurements)
 # q, q_stride, k_cache, v_cache, block_tables, max_blocks, tiles, num_tiles, out, num_heads,
-# num_kv_heads, head_dim, block_size, scale
+# num_kv_heads, head_dim, block_size, scale, num_own_writes
 _ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p,
-             ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_float])
+             ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int64])
 # k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, block_size
 _WRITE_ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
                    + [ctypes.c_int] * 3)
@@ -83,11 +83,15 @@ class AttentionKernel:
                                     block_size)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, tiles: torch.Tensor, scale: float) -> torch.Tensor:
+                 block_tables: torch.Tensor, tiles: torch.Tensor, scale: float,
+                 num_own_writes: int = 0) -> torch.Tensor:
         """q [T, nh, hd] (token stride free), caches [blocks, bs, kvh, hd], block_tables [S, nb],
-        tiles [N, 4] (seq, first token, tokens, context of the first) -> [T, nh, hd]."""
+        tiles [N, 4] (seq, first token, tokens, context of the first) -> [T, nh, hd]. num_own_writes: the
+        first tiles are one-token rows whose new K/V follow their q heads in q's rows ([q | k | v], as a
+        fused QKV projection lays them out): the kernel writes them first (csrc: write_own_key)."""
         num_tokens, num_heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim:
+            assert num_own_writes == 0, "own writes read K/V from q's rows: q must be a view of them"
             q = q.contiguous()
         _, block_size, num_kv_heads, _ = k_cache.shape
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()
@@ -97,7 +101,7 @@ class AttentionKernel:
         status = self._fns[q.dtype](
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], tiles.data_ptr(), tiles.shape[0], out.data_ptr(), num_heads,
-            num_kv_heads, head_dim, block_size, scale)
+            num_kv_heads, head_dim, block_size, scale, num_own_writes)
         if status != 0:
             raise MemoryError("native attention could not allocate its scratch buffers")
         return out

@@ -35,7 +35,7 @@ _Shape = _struct("Shape", [(n, _I64) for n in ("hidden", "inter", "num_heads", "
                                               "block_size", "fused_mlp")] + [("eps", _FLOAT), ("scale", _FLOAT)])
 _Layer = _struct("Layer", [(n, _PTR) for n in ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm",
                                               "gate_up", "down", "k_cache", "v_cache")])
-_Step = _struct("Step", [(n, _I64) for n in ("num_tokens", "max_blocks", "num_tiles", "num_keep")]
+_Step = _struct("Step", [(n, _I64) for n in ("num_tokens", "max_blocks", "num_tiles", "num_keep", "num_own_writes")]
                 + [(n, _PTR) for n in ("positions", "slot_mapping", "block_tables", "tiles", "keep", "keep_tiles",
                                       "cos", "sin")])
 _Buffers = _struct("Buffers", [(n, _PTR) for n in ("residual", "x", "h", "qkv", "attn", "gate_up", "act",
@@ -131,7 +131,8 @@ class NativeDecoder:
         block_tables, tiles = meta.block_tables.contiguous(), meta.tiles.contiguous()
         slot_mapping = meta.slot_mapping.contiguous()
         kept = [keep.contiguous(), keep_tiles.contiguous()] if prune else [None, None]
-        step = _Step(num_tokens, block_tables.shape[1], tiles.shape[0], num_keep, positions.data_ptr(),
+        step = _Step(num_tokens, block_tables.shape[1], tiles.shape[0], num_keep, meta.num_own_writes,
+                     positions.data_ptr(),
                      slot_mapping.data_ptr(), block_tables.data_ptr(), tiles.data_ptr(),
                      *(_ptr(t) for t in kept), self._model.rope_cos.data_ptr(), self._model.rope_sin.data_ptr())
         status = self._fn(self._kernels, self._shape, self._layers, len(self._layers),

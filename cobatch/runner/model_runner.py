@@ -262,7 +262,9 @@ def _prepare_any(rows: Sequence[ScheduledRow], block_size: int, device: torch.de
     is_padding = torch.tensor([r.is_padding for r in ordered])  # [R]
     if scratch_slot is not None and bool(is_padding.any()):
         slot_mapping = slot_mapping.masked_fill(is_padding[row_of_token], scratch_slot)  # [T]
-    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), num_decode_tokens=num_decode)
+    has_padding = any(r.is_padding for r in ordered)  # their K/V go to the scratch slot: written apart
+    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), num_decode_tokens=num_decode,
+                             num_own_writes=0 if has_padding else num_decode)
     if attention_kernel is not None:
         meta.kernel = attention_kernel
         meta.block_tables = block_tables.to(device)
@@ -315,6 +317,7 @@ def _prepare_decode(rows: Sequence[ScheduledRow], block_size: int, device: torch
             sampled.append(flat)
     meta = AttentionMetadata(slot_mapping=_ints(slots, device),
                              num_decode_tokens=sum(1 for r in rows if r.num_new_tokens == 1))
+    meta.num_own_writes = meta.num_decode_tokens  # the one-token rows, first (no padding here)
     meta.kernel = attention_kernel
     meta.block_tables, meta.tiles = _ints(tables, device), _ints(tiles, device)
     return Batch(_ints(token_ids, device), _ints(positions, device), meta, _ints(sampled, device),

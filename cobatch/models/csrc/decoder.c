@@ -57,7 +57,8 @@ typedef int (*GemmSiluFn)(const void *x, const void *packed, void *act, int64_t 
                           int threads, ActRowsFn act_rows);
 typedef int (*AttentionFn)(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles, int num_tiles,
-                           void *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale);
+                           void *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                           int64_t num_own_writes);
 
 typedef void (*WriteKvFn)(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_cache,
                           void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
@@ -84,9 +85,10 @@ typedef struct {
  * (the sampled ones). With keep == NULL every row's is; else the last layer computes only those rows past
  * its K/V write, since nothing else reads the others' outputs (llama.cpp does the same): a prefill step
  * of 2k tokens that samples a dozen saves nearly a layer's worth of work. keep_tiles: one tile per kept
- * row (its row of block_tables, its index in keep, 1 token, its context). */
+ * row (its row of block_tables, its index in keep, 1 token, its context). num_own_writes: the leading
+ * one-token rows (tiles and tokens alike) whose K/V the attention kernel writes itself. */
 typedef struct {
-    int64_t num_tokens, max_blocks, num_tiles, num_keep;
+    int64_t num_tokens, max_blocks, num_tiles, num_keep, num_own_writes;
     const int64_t *positions, *slot_mapping, *block_tables, *tiles, *keep, *keep_tiles;
     const void *cos, *sin;  /* RoPE tables [max_pos, head_dim / 2] */
 } Step;
@@ -118,8 +120,13 @@ static int layer_forward(const Kernels *k, const Shape *s, const Layer *l, const
     k->rope(b->qkv, st->cos, st->sin, st->positions, T, qkv_width, nh + kvh, hd, 1);
     TIMER(2);
     const int64_t q_width = nh * hd;  /* K and V: the columns of qkv after q */
-    k->write_kv((const uint16_t *)b->qkv + q_width, qkv_width, (const uint16_t *)b->qkv + q_width + kvh * hd,
-                qkv_width, l->k_cache, l->v_cache, st->slot_mapping, T, (int)kvh, (int)hd, (int)s->block_size);
+    /* The first num_own_writes tokens (one-token rows: decode) have the attention kernel write their K/V
+     * just before it reads them (paged_attention.c, write_own_key); the others are written here. Not in
+     * the last layer's kept-rows call, whose tiles and q rows are the kept ones. */
+    const int64_t own = last && st->keep != NULL ? 0 : st->num_own_writes;
+    const uint16_t *k_rows = (const uint16_t *)b->qkv + own * qkv_width + q_width;
+    k->write_kv(k_rows, qkv_width, k_rows + kvh * hd, qkv_width, l->k_cache, l->v_cache, st->slot_mapping + own,
+                T - own, (int)kvh, (int)hd, (int)s->block_size);
     TIMER(3);
     const void *q = b->qkv;
     const int64_t *tiles = st->tiles;
@@ -133,7 +140,8 @@ static int layer_forward(const Kernels *k, const Shape *s, const Layer *l, const
         q = b->q_keep, tiles = st->keep_tiles, num_tiles = T, residual = b->residual_keep;
     }
     if ((status = k->attention(q, qkv_width, l->k_cache, l->v_cache, st->block_tables, st->max_blocks, tiles,
-                               (int)num_tiles, b->attn, (int)nh, (int)kvh, (int)hd, (int)s->block_size, s->scale)))
+                               (int)num_tiles, b->attn, (int)nh, (int)kvh, (int)hd, (int)s->block_size, s->scale,
+                               own)))
         return status;
     TIMER(4);
     if ((status = k->gemm(b->attn, l->o, l->o_bias, b->x, T, H, nh * hd, threads))) return status;

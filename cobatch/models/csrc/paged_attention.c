@@ -23,8 +23,9 @@
  *                 d = 2c + p; fp32, e = 1, d = c);
  *       V quad    bf16 [r / 2][head_dim][r % 2]: key pairs interleaved per element, the B operand of a
  *                 bf16 dot product; fp32 [r][head_dim], rows as they are.
- *                 paged_write_kv_* is the only writer (the engine's K/V writes and the C layer loop's go
- *                 through it); whole blocks can still be copied, swapped and shared as they are.
+ *                 write_key is the only writer: paged_write_kv_* (the engine's K/V writes and the C layer
+ *                 loop's) and the decode rows' own writes inside the kernel (write_own_key); whole blocks
+ *                 can still be copied, swapped and shared as they are.
  * Key position p of sequence s lives at block block_tables[s][p / block_size], key p % block_size there.
  * Only keys inside some query's context are read (past the tile's last one: zeros, or masked lanes
  * whose V is never read).
@@ -80,6 +81,7 @@ typedef struct {
     int64_t q_stride, max_blocks;
     int num_heads, num_kv_heads, head_dim, block_size, group;
     float scale;
+    int64_t num_own_writes;  /* tiles [0, n) store their own new K/V first: write_own_key */
 } Attn;
 
 typedef struct { int64_t seq, first, num_tokens, context; } Tile;  /* one row of `tiles` */
@@ -114,6 +116,39 @@ static inline int imin(int64_t x, int64_t y) { return (int)(x < y ? x : y); }
 /* fmaxf inlined: a NaN argument yields the other one. (Without -ffinite-math-only, which the build does
  * not use, fmaxf is a libm call: perf put it at ~1% of decode attention, once per query head and chunk.) */
 static inline float max_of(float a, float b) { return a > b || b != b ? a : b; }
+
+#if HAVE_AVX512
+static inline void write_key(const Attn *a, const char *krow, const char *vrow, void *k_cache, void *v_cache,
+                             int64_t b, int h, int t, int is_bf16);  /* the K/V write section, below */
+#endif
+
+/* Own writes: the first num_own_writes tiles are one-token rows (decode) whose new K/V sit in their q rows
+ * right after the query heads (the C layer loop's qkv rows); the kernel stores them into the cache itself,
+ * heads h0 .. h1-1 of the item, in the layout it reads (fast: the kernel layout), at the row's position
+ * (context - 1). The fast path does it just before it reads that position's chunk, whose lines are then
+ * on their way for the read anyway; a separate write beforehand stalled on them (decode B=32: ~0.4 ms of
+ * writes against ~0.07 ms more attention when skipped, timers in the C loop). The caches' memory is the
+ * caller's to write (const here for the readers). */
+static void write_own_key(const Attn *a, const Tile *t, int h0, int h1, int fast, int is_bf16) {
+    const int64_t hd = a->head_dim, elem = is_bf16 ? 2 : 4, p = t->context - 1;
+    const int64_t block = a->block_tables[t->seq * a->max_blocks + p / a->block_size];
+    const int off = (int)(p % a->block_size);
+    const char *krow = (const char *)a->q + (t->first * a->q_stride + (int64_t)a->num_heads * hd) * elem;
+    const char *vrow = krow + (int64_t)a->num_kv_heads * hd * elem;
+    void *k_cache = (void *)a->k_cache, *v_cache = (void *)a->v_cache;
+    for (int h = h0; h < h1; h++) {
+#if HAVE_AVX512
+        if (fast) {
+            write_key(a, krow + h * hd * elem, vrow + h * hd * elem, k_cache, v_cache, block, h, off, is_bf16);
+            continue;
+        }
+#endif
+        (void)fast;
+        const int64_t at = ((block * a->block_size + off) * a->num_kv_heads + h) * hd * elem;
+        memcpy((char *)k_cache + at, krow + h * hd * elem, hd * elem);
+        memcpy((char *)v_cache + at, vrow + h * hd * elem, hd * elem);
+    }
+}
 
 /* ------------------------------------------------------------------------------------ generic path */
 
@@ -559,7 +594,7 @@ static inline Chunk quad_of_head(const Quads *qs, int h) {
  * where inlined. Chunks outer, KV heads inner, so a decode row streams each block once, front to back.
  * Query head m of the item: m = ((h - h0) * tokens + i) * group + g. */
 static inline __attribute__((always_inline)) void fast_item(const Attn *a, const Tile *t, int h0, int h1,
-                                                            Fast *f, const int hd, const int bf16) {
+                                                            int own_write, Fast *f, const int hd, const int bf16) {
     const int group = a->group, nt = (int)t->num_tokens, nq = (h1 - h0) * nt * group;
     const int elem_bytes = bf16 ? 2 : 4, columns = bf16 ? hd / 2 : hd;
     const int64_t *table = a->block_tables + t->seq * a->max_blocks, last = t->context + nt - 1;
@@ -584,6 +619,7 @@ static inline __attribute__((always_inline)) void fast_item(const Attn *a, const
             prefetch_start(&pf, a, &qs[cur ^ 1], h0, h1,
                            (h1 - h0) * (((nt - first_token) * group + 3) / 4) * block_steps, elem_bytes);
         }
+        if (own_write && c0 + CHUNK >= last) write_own_key(a, t, h0, h1, 1, bf16);  /* its chunk is this one */
         for (int h = h0; h < h1; h++) {
             Chunk ch = quad_of_head(&qs[cur], h);
             chunk_head(a, t, h0, h, nt, first_token, c0, n, &ch, f, hd, &pf, bf16);
@@ -617,22 +653,24 @@ static int64_t scratch_bytes(const Attn *a, int64_t max_queries, int is_bf16) {
     return sizeof(float) * generic_scratch(a, max_queries);
 }
 
-/* One work item: tile t, KV heads h0 .. h1-1. Constant head sizes let the compiler unroll the loops. */
-static void run_item(const Attn *a, const Tile *t, int h0, int h1, char *buf, int64_t max_queries,
-                     int is_bf16) {
+/* One work item: tile t, KV heads h0 .. h1-1 (own_write: the tile writes its new K/V first). Constant
+ * head sizes let the compiler unroll the loops. */
+static void run_item(const Attn *a, const Tile *t, int h0, int h1, int own_write, char *buf,
+                     int64_t max_queries, int is_bf16) {
 #if HAVE_AVX512
     if (use_fast_path(a, is_bf16)) {
         Fast f = fast_scratch(a, max_queries, buf);
-        if (is_bf16 && a->head_dim == 64) fast_item(a, t, h0, h1, &f, 64, 1);
-        else if (is_bf16 && a->head_dim == 128) fast_item(a, t, h0, h1, &f, 128, 1);
-        else if (is_bf16) fast_item(a, t, h0, h1, &f, a->head_dim, 1);
-        else if (a->head_dim == 64) fast_item(a, t, h0, h1, &f, 64, 0);
-        else if (a->head_dim == 128) fast_item(a, t, h0, h1, &f, 128, 0);
-        else fast_item(a, t, h0, h1, &f, a->head_dim, 0);
+        if (is_bf16 && a->head_dim == 64) fast_item(a, t, h0, h1, own_write, &f, 64, 1);
+        else if (is_bf16 && a->head_dim == 128) fast_item(a, t, h0, h1, own_write, &f, 128, 1);
+        else if (is_bf16) fast_item(a, t, h0, h1, own_write, &f, a->head_dim, 1);
+        else if (a->head_dim == 64) fast_item(a, t, h0, h1, own_write, &f, 64, 0);
+        else if (a->head_dim == 128) fast_item(a, t, h0, h1, own_write, &f, 128, 0);
+        else fast_item(a, t, h0, h1, own_write, &f, a->head_dim, 0);
         return;
     }
 #endif
     (void)max_queries;
+    if (own_write) write_own_key(a, t, h0, h1, 0, is_bf16);
     if (a->head_dim == 64 && is_bf16) generic_item(a, t, h0, h1, (float *)buf, 64, 1);
     else if (a->head_dim == 64) generic_item(a, t, h0, h1, (float *)buf, 64, 0);
     else if (is_bf16) generic_item(a, t, h0, h1, (float *)buf, a->head_dim, 1);
@@ -675,7 +713,8 @@ static int run(const Attn *a, const int64_t *tiles, int num_tiles, int is_bf16) 
         for (int64_t k = 0; k < num_items; k++) {
             if (buf == NULL) continue;
             const Tile *t = (const Tile *)(tiles + 4 * items[k][0]);
-            run_item(a, t, (int)items[k][1], (int)items[k][2], buf, max_queries, is_bf16);
+            const int own_write = items[k][0] < a->num_own_writes && t->num_tokens == 1;
+            run_item(a, t, (int)items[k][1], (int)items[k][2], own_write, buf, max_queries, is_bf16);
         }
         free(buf);
     }
@@ -686,25 +725,27 @@ static int run(const Attn *a, const int64_t *tiles, int num_tiles, int is_bf16) 
 static int attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                      const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles, int num_tiles,
                      void *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                     int is_bf16) {
+                     int64_t num_own_writes, int is_bf16) {
     Attn a = {q, k_cache, v_cache, out, block_tables, q_stride, max_blocks, num_heads, num_kv_heads,
-              head_dim, block_size, num_heads / num_kv_heads, scale};
+              head_dim, block_size, num_heads / num_kv_heads, scale, num_own_writes};
     return run(&a, tiles, num_tiles, is_bf16);
 }
 
+/* num_own_writes: see write_own_key (0: every K/V was written before the call). */
 int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                         const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles, int num_tiles,
-                        float *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale) {
+                        float *out, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                        int64_t num_own_writes) {
     return attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, tiles, num_tiles, out,
-                     num_heads, num_kv_heads, head_dim, block_size, scale, 0);
+                     num_heads, num_kv_heads, head_dim, block_size, scale, num_own_writes, 0);
 }
 
 int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                          const int64_t *block_tables, int64_t max_blocks, const int64_t *tiles, int num_tiles,
                          uint16_t *out, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                         float scale) {
+                         float scale, int64_t num_own_writes) {
     return attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, tiles, num_tiles, out,
-                     num_heads, num_kv_heads, head_dim, block_size, scale, 1);
+                     num_heads, num_kv_heads, head_dim, block_size, scale, num_own_writes, 1);
 }
 
 /* 1 when this dtype (bf16 or fp32), head_dim and block_size run the AVX-512 path, on the kernel layout
@@ -751,7 +792,8 @@ static inline void write_key(const Attn *a, const char *krow, const char *vrow, 
 
 /* k, v rows [num_tokens] (token i's head h at i * stride + h * head_dim elements) into the cache slots
  * slot_mapping[i]: the kernel layout where use_fast_path holds, else [blocks, block_size, kv heads,
- * head_dim]. Every write to a cache this kernel reads goes through here, so writer and reader agree. */
+ * head_dim]. Every write to a cache this kernel reads goes through here or write_own_key (the same
+ * write_key), so writer and reader agree. */
 static void write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_cache,
                      void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
                      int head_dim, int block_size, int is_bf16) {
