@@ -1,7 +1,8 @@
 """Where a bf16 step's time goes inside the C layer loop the engine runs: wall time per kernel (input
 norm, QKV GEMM, RoPE, K/V write, attention, o_proj, post-attention norm, gate/up GEMM with SiLU, down GEMM),
-summed over the layers, from csrc/decoder.c built with -DKERNEL_TIMERS; and the step's time outside the
-loop (embedding, lm_head, sampling, input preparation). `cobatch bench steps --profile` labels the same
+summed over the layers, from csrc/decoder.c built with -DKERNEL_TIMERS (the decode rows' K/V are written
+inside the attention call, so "write_kv" holds the other rows' only; "norm" includes the final norm); and
+the step's time outside the loop (embedding, lm_head, sampling, input preparation). `cobatch bench steps --profile` labels the same
 parts through the torch profiler, which runs the Python layer loop instead of the C one.
 
     .venv/bin/python scripts/kernel_timers.py        # decode B=1,32,64 at context 256; a 12 x 170 prefill
