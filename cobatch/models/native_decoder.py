@@ -132,8 +132,7 @@ class NativeDecoder:
         slot_mapping = meta.slot_mapping.contiguous()
         kept = [keep.contiguous(), keep_tiles.contiguous()] if prune else [None, None]
         step = _Step(num_tokens, block_tables.shape[1], tiles.shape[0], num_keep, meta.num_own_writes,
-                     positions.data_ptr(),
-                     slot_mapping.data_ptr(), block_tables.data_ptr(), tiles.data_ptr(),
+                     positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), tiles.data_ptr(),
                      *(_ptr(t) for t in kept), self._model.rope_cos.data_ptr(), self._model.rope_sin.data_ptr())
         status = self._fn(self._kernels, self._shape, self._layers, len(self._layers),
                           self._model.norm.data_ptr(), step, _Buffers(*(b.data_ptr() for b in [*buffers, out])),
