@@ -122,6 +122,25 @@ static inline void write_key(const Attn *a, const char *krow, const char *vrow, 
                              int64_t b, int h, int t, int is_bf16);  /* the K/V write section, below */
 #endif
 
+/* One token's K and V rows (krow, vrow: its KV head 0; heads head_dim apart) of heads h0 .. h1-1 into cache
+ * slot `slot`: the kernel layout (write_key) where `fast` (use_fast_path) holds, else rows as they are. */
+static inline void write_slot(const Attn *a, const char *krow, const char *vrow, void *k_cache, void *v_cache,
+                              int64_t slot, int h0, int h1, int fast, int is_bf16) {
+    const int64_t hd = a->head_dim, elem = is_bf16 ? 2 : 4;
+#if HAVE_AVX512
+    if (fast) {
+        for (int h = h0; h < h1; h++)
+            write_key(a, krow + h * hd * elem, vrow + h * hd * elem, k_cache, v_cache, slot / a->block_size, h,
+                      (int)(slot % a->block_size), is_bf16);
+        return;
+    }
+#endif
+    (void)fast;
+    const int64_t at = (slot * a->num_kv_heads + h0) * hd * elem, bytes = (h1 - h0) * hd * elem;
+    memcpy((char *)k_cache + at, krow + h0 * hd * elem, bytes);
+    memcpy((char *)v_cache + at, vrow + h0 * hd * elem, bytes);
+}
+
 /* Own writes: the first num_own_writes tiles are one-token rows (decode) whose new K/V sit in their q rows
  * right after the query heads (the C layer loop's qkv rows); the kernel stores them into the cache itself,
  * heads h0 .. h1-1 of the item, in the layout it reads (fast: the kernel layout), at the row's position
@@ -131,23 +150,11 @@ static inline void write_key(const Attn *a, const char *krow, const char *vrow, 
  * caller's to write (const here for the readers). */
 static void write_own_key(const Attn *a, const Tile *t, int h0, int h1, int fast, int is_bf16) {
     const int64_t hd = a->head_dim, elem = is_bf16 ? 2 : 4, p = t->context - 1;
-    const int64_t block = a->block_tables[t->seq * a->max_blocks + p / a->block_size];
-    const int off = (int)(p % a->block_size);
+    const int64_t slot = a->block_tables[t->seq * a->max_blocks + p / a->block_size] * a->block_size
+                         + p % a->block_size;
     const char *krow = (const char *)a->q + (t->first * a->q_stride + (int64_t)a->num_heads * hd) * elem;
-    const char *vrow = krow + (int64_t)a->num_kv_heads * hd * elem;
-    void *k_cache = (void *)a->k_cache, *v_cache = (void *)a->v_cache;
-    for (int h = h0; h < h1; h++) {
-#if HAVE_AVX512
-        if (fast) {
-            write_key(a, krow + h * hd * elem, vrow + h * hd * elem, k_cache, v_cache, block, h, off, is_bf16);
-            continue;
-        }
-#endif
-        (void)fast;
-        const int64_t at = ((block * a->block_size + off) * a->num_kv_heads + h) * hd * elem;
-        memcpy((char *)k_cache + at, krow + h * hd * elem, hd * elem);
-        memcpy((char *)v_cache + at, vrow + h * hd * elem, hd * elem);
-    }
+    write_slot(a, krow, krow + (int64_t)a->num_kv_heads * hd * elem, (void *)a->k_cache, (void *)a->v_cache, slot,
+               h0, h1, fast, is_bf16);
 }
 
 /* ------------------------------------------------------------------------------------ generic path */
@@ -800,24 +807,10 @@ static void write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_s
     Attn a = {0};
     a.num_kv_heads = num_kv_heads, a.head_dim = head_dim, a.block_size = block_size;
     const int fast = use_fast_path(&a, is_bf16), size = is_bf16 ? 2 : 4;
-    const int64_t width = (int64_t)num_kv_heads * head_dim;
 #pragma omp parallel for schedule(static) if (num_tokens >= 256)
-    for (int64_t i = 0; i < num_tokens; i++) {
-        const char *krow = (const char *)k + i * k_stride * size, *vrow = (const char *)v + i * v_stride * size;
-        const int64_t slot = slot_mapping[i];
-#if HAVE_AVX512
-        if (fast) {
-            for (int h = 0; h < num_kv_heads; h++)
-                write_key(&a, krow + (int64_t)h * head_dim * size, vrow + (int64_t)h * head_dim * size, k_cache,
-                          v_cache, slot / block_size, h, (int)(slot % block_size), is_bf16);
-            continue;
-        }
-#else
-        (void)fast, (void)a;
-#endif
-        memcpy((char *)k_cache + slot * width * size, krow, width * size);
-        memcpy((char *)v_cache + slot * width * size, vrow, width * size);
-    }
+    for (int64_t i = 0; i < num_tokens; i++)
+        write_slot(&a, (const char *)k + i * k_stride * size, (const char *)v + i * v_stride * size, k_cache,
+                   v_cache, slot_mapping[i], 0, num_kv_heads, fast, is_bf16);
 }
 
 void paged_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
