@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(chat)
     chat.set_defaults(func=run_chat, max_tokens=256)
 
-    bench = sub.add_parser("bench", help="benchmarks: offline, serve, steps, claims")
+    bench = sub.add_parser("bench", help="benchmarks: offline, serve, steps, roofline, timeline")
     from cobatch.bench.cli import add_bench_arguments, run_bench
 
     add_bench_arguments(bench)

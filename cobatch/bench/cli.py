@@ -17,9 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "steps": ("steps", "decode step time vs batch size and context; T(B, ctx) fit"),
     "roofline": ("roofline", "decode tokens/s as a share of this machine's roofline for the weights"),
     "timeline": ("timeline_cli", "the metro plot: batch rows over time, static vs continuous"),
-    "claims": ("claims", "measure every seed claim; writes docs/BENCHMARKS.md and docs/img/"),
-    "peers": ("peers", "HF transformers static generate and continuous batching vs cobatch"),
 }
+# The repository's report generators (docs/BENCHMARKS.md, peers) live in benchmarks/, not here.
 
 
 def _module(command: str) -> object:

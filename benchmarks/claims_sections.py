@@ -1,4 +1,4 @@
-"""The measurements behind `cobatch bench claims`, one function per seed claim.
+"""The measurements behind `python -m benchmarks.claims`, one function per seed claim.
 
 Each returns a Section: a markdown body (tables, plot links) and the raw figures for the JSON file.
 All runs share one loaded runner (EngineFactory), so every comparison is side by side in one process.
@@ -49,7 +49,8 @@ class ClaimsContext:
         return self.img_dir / name
 
 
-def _table(header: list[str], rows: list[list[object]]) -> str:
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
+    """A markdown table; floats with two decimals."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         lines.append("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row) + " |")
@@ -79,7 +80,7 @@ def step_time(ctx: ClaimsContext) -> Section:
                    for s in samples if s.batch_size == b] for b in sizes]
     ratios = {c: steps.batch_ratio(samples, c) for c in contexts}
     md = "\n\n".join([
-        _table(["B"] + [f"ctx {c}: step / tokens/s" for c in contexts], rows),
+        markdown_table(["B"] + [f"ctx {c}: step / tokens/s" for c in contexts], rows),
         f"Fit: T = {fit_ms['constant_ms']:.1f} ms + {fit_ms['per_seq_ms']:.2f} ms·B + "
         f"{fit_ms['per_1k_context_tokens_ms']:.2f} ms per 1k context tokens, R² = {r2:.3f}.",
         "T(32)/T(1): " + ", ".join(f"{r:.2f} at ctx {c}" for c, r in ratios.items()) + ".",
@@ -112,7 +113,7 @@ def static_vs_continuous(ctx: ClaimsContext) -> Section:
     md = "\n\n".join([
         f"{len(next(iter(workloads.values())))} requests each, all arriving at once, ignore_eos, "
         f"max_num_seqs={max_num_seqs}, useful (non-padding) generated tokens/s:",
-        _table(["workload", "output CV", "static tok/s", "continuous tok/s", "continuous/static",
+        markdown_table(["workload", "output CV", "static tok/s", "continuous tok/s", "continuous/static",
                 "static padding row-steps"], rows),
         "The metro timeline of the long-tail pair (each colour a request, grey = a finished "
         "request kept as padding until its batch's longest member ends):",
@@ -153,7 +154,7 @@ def slo_goodput(ctx: ClaimsContext) -> Section:
         f"{len(requests)} requests at once (prompts 32-128, outputs 32-128), TPOT SLO "
         f"{ctx.tpot_slo_ms:g} ms (2 x the B=1 decode step). Goodput = completed requests meeting "
         "the SLO per second.",
-        _table(["configuration", "tok/s", "goodput req/s", "met SLO", "TPOT p50 ms", "TPOT p90 ms",
+        markdown_table(["configuration", "tok/s", "goodput req/s", "met SLO", "TPOT p50 ms", "TPOT p90 ms",
                 "mean running"],
                [[r["label"], r["tokens_per_s"], r["goodput_rps"], f"{100 * r['good_share']:.0f}%",
                  r["tpot_p50_ms"], r["tpot_p90_ms"], r["mean_running"]] for r in rows]),
@@ -210,7 +211,7 @@ def paged_vs_reserved(ctx: ClaimsContext) -> Section:
         "Reservation is simulated honestly by the admission rule it implies: a system that reserves "
         f"max_model_len per request fits floor({num_blocks * block_size}/{max_model_len}) = "
         f"{reserved_seats} requests, so that run uses max_num_seqs={reserved_seats} on the same pool.",
-        _table(["admission", "max concurrency", "mean concurrency", "tok/s", "preemptions",
+        markdown_table(["admission", "max concurrency", "mean concurrency", "tok/s", "preemptions",
                 "peak KV use"], rows),
         f"Paged admission ran **{paged.max_running / max(1, reserved.max_running):.1f}x** the "
         f"concurrency and **{paged.tokens_per_s / reserved.tokens_per_s:.2f}x** the throughput."])
@@ -235,7 +236,7 @@ def memory_pressure(ctx: ClaimsContext) -> Section:
         f"{len(requests)} requests (prompts 32-64, outputs 96-160), max_num_seqs 16; the small pool "
         f"holds {num_blocks * ctx.factory.config.block_size} tokens, about a third of what all "
         "requests reach.",
-        _table(["configuration", "tok/s", "preemptions", "recomputed tokens", "swaps",
+        markdown_table(["configuration", "tok/s", "preemptions", "recomputed tokens", "swaps",
                 "mean running"], rows),
         "Preemption is designed behaviour: every request still finishes with the same tokens; the "
         "price is the recomputed prefill (recompute) or the block copies (swap)."])

@@ -5,7 +5,7 @@ Workloads: `mixed64` (issue 5's: random-token prompts, which a 135M model contin
 `chat` (32 chat-templated questions answered in up to 200 tokens: natural text, where n-gram matches
 mislead about half the time), each at several max_num_seqs.
 
-    .venv/bin/python scripts/spec_decode_ab.py [--num-speculative-tokens 3] [--repeats 2]
+    .venv/bin/python -m benchmarks.spec_decode_ab [--num-speculative-tokens 3] [--repeats 2]
         [--output-json docs/bench/spec_decode.json]
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def run_once(factory: EngineFactory, requests: list[BenchRequest], max_num_seqs:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.spec_decode_ab", description=__doc__.splitlines()[0])
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--output-json", default=None)

@@ -1,4 +1,4 @@
-"""Peer baselines in the same harness: HF transformers static `generate` and HF continuous batching.
+"""`python -m benchmarks.peers`: HF transformers static `generate` and HF continuous batching vs cobatch.
 
 Same model weights (loaded by transformers from the same GGUF/folder), same dtype, same workload,
 greedy, ignore EOS, per-request output lengths; reported as ratios against cobatch measured in the same
@@ -9,11 +9,15 @@ failed with its error, not hidden.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Sequence
 
-from cobatch.bench.claims_sections import ClaimsContext, Section, _table
+from benchmarks.claims_sections import ClaimsContext, Section, markdown_table
+from cobatch.bench.common import (add_engine_arguments, add_workload_arguments, engine_config_from_args,
+                                  workload_from_args)
 from cobatch.bench.datasets import BenchRequest
-from cobatch.bench.runs import EngineFactory, run_workload
+from cobatch.bench.runs import EngineFactory, run_workload, warm_up
 
 
 def load_hf_model(model: str | None, dtype: object) -> object:
@@ -110,7 +114,7 @@ def peers_section(ctx: ClaimsContext) -> Section:
     """The claims-report section for the peers."""
     requests = ctx.workload(16, "32-64", "8-16,48-64", seed=5)
     rows = measure(ctx.factory, requests, 8, ctx.factory.config.model)
-    table = _table(["system", "useful tok/s", "cobatch continuous / this"],
+    table = markdown_table(["system", "useful tok/s", "cobatch continuous / this"],
                    [[r["system"], r["tokens_per_s"],
                      "failed: " + r["error"] if "error" in r else f"{r['cobatch_continuous_over_this']:.2f}x"]
                     for r in rows])
@@ -120,8 +124,7 @@ def peers_section(ctx: ClaimsContext) -> Section:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from cobatch.bench.common import add_engine_arguments, add_workload_arguments
-
+    """Engine and workload flags, plus the HF static batch sizes."""
     add_engine_arguments(parser, max_num_seqs=8)
     add_workload_arguments(parser)
     parser.set_defaults(num_prompts=16, input_len="32-64", output_len="8-16,48-64")
@@ -130,9 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from cobatch.bench.common import engine_config_from_args, workload_from_args
-    from cobatch.bench.runs import warm_up
-
+    """Measure cobatch and the HF peers on the workload; print one line per system."""
     factory = EngineFactory.load(engine_config_from_args(args))
     warm_up(factory)
     sizes = [int(b) for b in args.hf_static_batch_sizes.split(",")] if args.hf_static_batch_sizes else None
@@ -140,3 +141,14 @@ def main(args: argparse.Namespace) -> int:
         extra = row.get("error") or f"cobatch continuous / this = {row['cobatch_continuous_over_this']:.2f}x"
         print(f"{row['system']:>50}: {row['tokens_per_s']:8.1f} tok/s   {extra}")
     return 0
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,70 @@
+"""The repository's report generators (benchmarks/): the claims block keeps hand-written text and the
+sub-sections a run did not measure; each generator's command line parses and answers --help."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import claims, peers
+from benchmarks.claims_report import BEGIN, END, base_command, render_section, rerun_command, write_markdown
+
+REPO = Path(__file__).parents[1]
+
+
+def _section(key: str, body: str, measured: str = "today") -> dict[str, str]:
+    return {key: render_section(key, f"Claim {key}", body, measured, f"python -m benchmarks.claims --only {key}")}
+
+
+def test_generated_block_is_replaced_and_hand_written_text_survives(tmp_path: Path) -> None:
+    path = tmp_path / "BENCHMARKS.md"
+    write_markdown(path, _section("a", "| x |", "run 1"))
+    text = path.read_text()
+    assert text.startswith("# Benchmarks") and BEGIN in text and "run 1" in text
+    path.write_text("# Benchmarks\n\nHand-written intro.\n\n" + text.split("# Benchmarks\n\n", 1)[1]
+                    + "\nHand-written outro.\n")
+    write_markdown(path, _section("a", "| y |", "run 2"))
+    text = path.read_text()
+    assert "Hand-written intro." in text and "Hand-written outro." in text
+    assert "run 2" in text and "run 1" not in text and "| y |" in text and "| x |" not in text
+    assert text.count(BEGIN) == 1 and text.count(END) == 1
+
+
+def test_a_partial_run_keeps_the_other_sections_in_order(tmp_path: Path) -> None:
+    path = tmp_path / "BENCHMARKS.md"
+    write_markdown(path, {**_section("b", "B1"), **_section("a", "A1"), **_section("peers", "P1")})
+    write_markdown(path, _section("b", "B2", "later"))
+    text = path.read_text()
+    assert "A1" in text and "B2" in text and "P1" in text and "B1" not in text
+    assert text.index("(a) Claim a") < text.index("(b) Claim b") < text.index("(peers) Claim peers")
+    assert "Measured later. Reproduce: `python -m benchmarks.claims --only b`" in text
+
+
+def test_each_section_names_the_command_that_reruns_it_alone() -> None:
+    base = base_command(["--only", "ab", "--peers", "--dtype", "bfloat16", "--only=c"])
+    assert base == "python -m benchmarks.claims --dtype bfloat16"
+    assert rerun_command(base, "c") == base + " --only c"
+    assert rerun_command(base, "peers") == base + " --only '' --peers"
+
+
+def test_generator_command_lines_parse() -> None:
+    parser = argparse.ArgumentParser()
+    claims.add_arguments(parser)
+    args = parser.parse_args(["--only", "ab", "--quick"])
+    assert args.only == "ab" and args.quick and args.output_json == "docs/bench/claims.json"
+    parser = argparse.ArgumentParser()
+    peers.add_arguments(parser)
+    args = parser.parse_args(["--hf-static-batch-sizes", "32,64"])
+    assert args.num_prompts == 16 and args.max_num_seqs == 8 and args.hf_static_batch_sizes == "32,64"
+
+
+@pytest.mark.parametrize("module", ["benchmarks.claims", "benchmarks.peers", "benchmarks.spec_decode_ab"])
+def test_generator_help_runs_from_the_repo_root(module: str) -> None:
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout
