@@ -14,10 +14,10 @@ import time
 from collections.abc import Sequence
 
 from benchmarks.claims_sections import ClaimsContext, Section, markdown_table
-from cobatch.bench.common import (add_engine_arguments, add_workload_arguments, engine_config_from_args,
-                                  workload_from_args)
+from cobatch.bench.common import add_workload_arguments, workload_from_args
 from cobatch.bench.datasets import BenchRequest
 from cobatch.bench.runs import EngineFactory, run_workload, warm_up
+from cobatch.config_cli import add_engine_args, engine_config_from_args
 
 
 def load_hf_model(model: str | None, dtype: object) -> object:
@@ -125,9 +125,9 @@ def peers_section(ctx: ClaimsContext) -> Section:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine and workload flags, plus the HF static batch sizes."""
-    add_engine_arguments(parser, max_num_seqs=8)
+    add_engine_args(parser)
     add_workload_arguments(parser)
-    parser.set_defaults(num_prompts=16, input_len="32-64", output_len="8-16,48-64")
+    parser.set_defaults(max_num_seqs=8, num_prompts=16, input_len="32-64", output_len="8-16,48-64")
     parser.add_argument("--hf-static-batch-sizes", default=None,
                         help="comma-separated batch sizes for HF static generate (default: --max-num-seqs)")
 

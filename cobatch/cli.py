@@ -5,41 +5,30 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by generate and chat (serve has its own, the same names)."""
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--batching", default="continuous", choices=["continuous", "static"])
-    parser.add_argument("--num-speculative-tokens", type=int, default=0,
-                        help="n-gram speculative decoding: draft tokens per greedy row (0: off)")
+from cobatch.config_cli import add_engine_args, engine_config_from_args
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """Sampling flags of generate and chat (the engine's --seed seeds the sampler)."""
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
 
 
 def _llm(args: argparse.Namespace):
     from cobatch.llm import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-               batching=args.batching, num_speculative_tokens=args.num_speculative_tokens)
+    return LLM(**asdict(engine_config_from_args(args)))
 
 
 def _sampling(args: argparse.Namespace):
     from cobatch.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                          top_p=args.top_p, top_k=args.top_k)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -89,13 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="offline generation for a few prompts")
     gen.add_argument("prompts", nargs="*")
     gen.add_argument("--chat-template", action="store_true", help="wrap prompts as user messages")
-    add_engine_arguments(gen)
+    add_engine_args(gen)
     add_sampling_arguments(gen)
     gen.set_defaults(func=run_generate)
 
     chat = sub.add_parser("chat", help="interactive chat with the model")
     chat.add_argument("--system", default=None)
-    add_engine_arguments(chat)
+    add_engine_args(chat)
     add_sampling_arguments(chat)
     chat.set_defaults(func=run_chat, max_tokens=256)
 

@@ -1,72 +1,105 @@
-"""Engine and scheduler configuration: frozen dataclasses, validated at construction."""
+"""Engine and scheduler configuration: frozen dataclasses, validated at construction.
+
+Every option is declared once, with its help and its bound in the field's metadata: `config_cli` derives
+the command-line flags from EngineConfig's fields, and `_validate_fields` checks both configs from the
+same declarations. The options the scheduler shares with the user live in `SchedulingOptions`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import functools
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Literal, TypeVar
 
 Batching = Literal["continuous", "static"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 PreemptionMode = Literal["recompute", "swap"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
-
-def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+_T = TypeVar("_T")
+Check = Callable[[str, object], None]  # raises ValueError for a bad value of the named field
 
 
-def _positive(name: str, value: int | float | None) -> None:
-    if value is not None and value <= 0:
+def _positive(name: str, value: object) -> None:
+    if value is not None and value <= 0:  # type: ignore[operator]
         raise ValueError(f"{name} must be positive, got {value}")
 
 
-def _check_speculation(num_speculative_tokens: int, lookup_min: int, lookup_max: int) -> None:
-    if num_speculative_tokens < 0:
-        raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-    if not 1 <= lookup_min <= lookup_max:
+def _non_negative(name: str, value: object) -> None:
+    if value < 0:  # type: ignore[operator]
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _option(default: _T, help: str, check: Check | None = None) -> _T:
+    """A config field with its command-line help and the check its value must pass."""
+    return field(default=default, metadata={"help": help, "check": check})
+
+
+@functools.cache
+def literal_choices(cls: type) -> dict[str, tuple[str, ...]]:
+    """The allowed values of each Literal-typed field of a config class."""
+    hints = typing.get_type_hints(cls)
+    return {name: typing.get_args(hint) for name, hint in hints.items()
+            if typing.get_origin(hint) is Literal}
+
+
+def _validate_fields(config: SchedulingOptions) -> None:
+    """Each field's own check, from its declaration; Literal fields against their allowed values."""
+    for f in fields(config):
+        check = f.metadata.get("check")
+        if check is not None:
+            check(f.name, getattr(config, f.name))
+    for name, allowed in literal_choices(type(config)).items():
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {getattr(config, name)!r}")
+    if config.ngram_prompt_lookup_min > config.ngram_prompt_lookup_max:
         raise ValueError(f"need 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max, got "
-                         f"{lookup_min} and {lookup_max}")
+                         f"{config.ngram_prompt_lookup_min} and {config.ngram_prompt_lookup_max}")
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """What the scheduler needs: limits, policies, and the measured pool sizes."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulingOptions:
+    """The options the user sets and the scheduler reads as they are (vLLM's names)."""
 
-    num_kv_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    num_swap_blocks: int = 0
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    batching: Batching = "continuous"
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    preemption_mode: PreemptionMode = "recompute"
+    block_size: int = _option(16, "tokens per KV-cache block", _positive)
+    max_num_seqs: int = _option(64, "most sequences in one step (the batch size)", _positive)
+    enable_chunked_prefill: bool = _option(True, "split long prompts over steps within the token budget")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of an identical prompt prefix")
+    batching: Batching = _option("continuous", "continuous, or static: admit a batch only when the "
+                                 "previous one has fully finished (the baseline policy)")
+    scheduling_policy: SchedulingPolicy = _option("fcfs", "admission and preemption order: arrival, "
+                                                  "or the requests' priority")
+    preemption_mode: PreemptionMode = _option("recompute", "a preempted request's KV: freed and "
+                                              "recomputed, or swapped to host memory")
+    tpot_slo_ms: float | None = _option(None, "admit while the predicted decode step stays within "
+                                        "this time per output token (ms; default: no SLO)", _positive)
+    # N-gram speculative decoding (spec_decode.py). Not with static batching or a TPOT SLO (whose
+    # step-time model is fit on plain steps).
+    num_speculative_tokens: int = _option(0, "n-gram speculative decoding: draft tokens per greedy row "
+                                          "(0: off)", _non_negative)
+    ngram_prompt_lookup_min: int = _option(2, "shortest tail n-gram looked up for drafts", _positive)
+    ngram_prompt_lookup_max: int = _option(4, "longest tail n-gram looked up for drafts", _positive)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig(SchedulingOptions):
+    """What the scheduler needs: the shared options, the measured pool sizes and the model length."""
+
+    num_kv_blocks: int = field(metadata={"help": "KV-cache blocks (measured by the runner)",
+                                         "check": _positive})
+    max_num_batched_tokens: int = _option(2048, "token budget of one step", _positive)
+    max_model_len: int = _option(2048, "longest prompt + output", _positive)
+    num_swap_blocks: int = _option(0, "host-memory blocks for swapped-out KV", _non_negative)
     # Keep this share of blocks free when admitting, so running requests can grow
     # a little before anyone has to be preempted (vLLM's watermark).
-    watermark: float = 0.01
-    tpot_slo_ms: float | None = None
-    # N-gram speculative decoding (spec_decode.py): drafts per greedy decode row, 0 = off. Not with
-    # static batching or a TPOT SLO (whose step-time model is fit on plain steps).
-    num_speculative_tokens: int = 0
-    ngram_prompt_lookup_min: int = 2
-    ngram_prompt_lookup_max: int = 4
+    watermark: float = _option(0.01, "share of blocks kept free when admitting")
 
     def __post_init__(self) -> None:
-        for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "tpot_slo_ms"):
-            _positive(name, getattr(self, name))
-        _check_speculation(self.num_speculative_tokens, self.ngram_prompt_lookup_min,
-                           self.ngram_prompt_lookup_max)
-        if self.num_swap_blocks < 0:
-            raise ValueError(f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
+        _validate_fields(self)
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        _one_of("batching", self.batching, ("continuous", "static"))
-        _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
-        _one_of("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
@@ -85,63 +118,35 @@ class SchedulerConfig:
         return self.num_kv_blocks * self.block_size / self.max_model_len
 
 
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig(SchedulingOptions):
     """User-facing engine options (vLLM's names); pool sizes are measured from these at start-up."""
 
-    model: str | None = None  # None: the built-in default model (SmolLM2-135M-Instruct GGUF)
-    dtype: DType = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None
-    swap_space: float = 1.0  # GiB of host memory for swapped-out KV blocks
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    batching: Batching = "continuous"
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    preemption_mode: PreemptionMode = "recompute"
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    tpot_slo_ms: float | None = None
-    num_speculative_tokens: int = 0  # n-gram speculative decoding: drafts per greedy row, 0 = off
-    ngram_prompt_lookup_min: int = 2
-    ngram_prompt_lookup_max: int = 4
-    seed: int = 0
-    num_threads: int | None = None
+    model: str | None = _option(None, "HF folder or .gguf file (default: the bundled "
+                                "SmolLM2-135M-Instruct GGUF)")
+    dtype: DType = _option("auto", "weights and activations (auto: bf16 on CUDA or a CPU with native "
+                           "bf16 matmuls, else float32)")
+    device: str = _option("auto", "torch device (auto: cuda when available, else cpu)")
+    num_kv_blocks: int | None = _option(None, "KV-cache blocks (default: from --kv-cache-memory-gb)",
+                                        _positive)
+    kv_cache_memory_gb: float | None = _option(None, "GiB for the KV cache (default: min(2, 30% of the "
+                                               "memory available at start-up))", _positive)
+    swap_space: float = _option(1.0, "GiB of host memory for swapped-out KV blocks", _non_negative)
+    max_num_batched_tokens: int | None = _option(None, "token budget of one step (default: 2048, or "
+                                                 "max_model_len if larger without chunked prefill)",
+                                                 _positive)
+    max_model_len: int | None = _option(None, "longest prompt + output (default: the model's)", _positive)
+    seed: int = _option(0, "seed of the sampler for requests without a seed of their own")
+    num_threads: int | None = _option(None, "torch CPU threads (default: torch's choice)", _positive)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_seqs",
-                     "max_num_batched_tokens", "max_model_len", "tpot_slo_ms", "num_threads"):
-            _positive(name, getattr(self, name))
-        _check_speculation(self.num_speculative_tokens, self.ngram_prompt_lookup_min,
-                           self.ngram_prompt_lookup_max)
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
-        _one_of("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
-        _one_of("batching", self.batching, ("continuous", "static"))
-        _one_of("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
-        _one_of("preemption_mode", self.preemption_mode, ("recompute", "swap"))
+        _validate_fields(self)
 
     def scheduler_config(self, num_kv_blocks: int, num_swap_blocks: int,
                          max_model_len: int) -> SchedulerConfig:
         """The scheduler's view, once the pools are sized and the model length is known."""
         default_budget = max(2048, max_model_len) if not self.enable_chunked_prefill else 2048
-        return SchedulerConfig(
-            num_kv_blocks=num_kv_blocks,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or default_budget,
-            max_model_len=max_model_len,
-            num_swap_blocks=num_swap_blocks,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            enable_prefix_caching=self.enable_prefix_caching,
-            batching=self.batching,
-            scheduling_policy=self.scheduling_policy,
-            preemption_mode=self.preemption_mode,
-            tpot_slo_ms=self.tpot_slo_ms,
-            num_speculative_tokens=self.num_speculative_tokens,
-            ngram_prompt_lookup_min=self.ngram_prompt_lookup_min,
-            ngram_prompt_lookup_max=self.ngram_prompt_lookup_max,
-        )
+        shared = {f.name: getattr(self, f.name) for f in fields(SchedulingOptions)}
+        return SchedulerConfig(**shared, num_kv_blocks=num_kv_blocks, num_swap_blocks=num_swap_blocks,
+                               max_model_len=max_model_len,
+                               max_num_batched_tokens=self.max_num_batched_tokens or default_budget)

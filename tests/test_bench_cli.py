@@ -29,7 +29,8 @@ def test_offline_writes_its_result_json(tmp_path) -> None:
 
     path = tmp_path / "offline.json"
     assert main(["bench", "offline", "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
-                 "--dtype", "float32", "--num-kv-blocks", "64", "--output-json", str(path)]) == 0
+                 "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "1024",
+                 "--output-json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["config"]["num_prompts"] == 2 and "func" not in data["config"]
     assert data["result"]["num_requests"] == 2 and data["result"]["num_output_tokens"] == 6

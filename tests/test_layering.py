@@ -32,6 +32,8 @@ FORBIDDEN: dict[str, set[str]] = {
                        "cobatch.models.llama", "cobatch.models.attention", "cobatch.models.loader",
                        "cobatch.engine", "torch"},
     "cobatch.bench.serve": {"cobatch.engine", "cobatch.scheduler", "cobatch.runner", "torch"},
+    "cobatch.config_cli": {"torch", "cobatch.engine", "cobatch.runner", "cobatch.models", "cobatch.server",
+                           "cobatch.scheduler", "cobatch.llm"},  # the flags of EngineConfig: no engine
 }
 
 
@@ -79,6 +81,28 @@ def test_import_boundaries(path: Path) -> None:
     bad = sorted({name for name in imports_of(path) for f in forbidden
                   if violates(name, f) and name not in allowed})
     assert not bad, f"{module} imports {bad}, which DESIGN.md §4 forbids"
+
+
+def _path_of(module: str) -> Path | None:
+    """The file of a cobatch module; None for a name imported from a module (a function, a class)."""
+    base = ROOT.parent / module.replace(".", "/")
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+
+
+def test_bench_serve_reaches_nothing_of_the_engine() -> None:
+    """bench serve measures any server: it and every cobatch module it imports, transitively, are
+    cobatch.bench.* (no config, no engine)."""
+    seen: set[str] = set()
+    todo = ["cobatch.bench.serve"]
+    while todo:
+        module = todo.pop()
+        path = _path_of(module)
+        if module in seen or path is None:
+            continue
+        seen.add(module)
+        todo += [name for name in imports_of(path) if violates(name, "cobatch")]
+    outside = sorted(m for m in seen if not violates(m, "cobatch.bench"))
+    assert not outside, f"bench serve reaches {outside}"
 
 
 def test_the_scheduling_core_is_checked() -> None:

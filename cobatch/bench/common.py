@@ -1,4 +1,7 @@
-"""Command-line pieces shared by the engine-driving benchmarks (offline, steps, timeline, claims)."""
+"""Workload flags and result files shared by the benchmarks; no engine import (`bench serve` uses them).
+
+The engine flags come from `cobatch.config_cli`, derived from EngineConfig's fields.
+"""
 
 from __future__ import annotations
 
@@ -8,38 +11,6 @@ import math
 from pathlib import Path
 
 from cobatch.bench.datasets import BenchRequest, load_jsonl, preset, synthesize
-from cobatch.config import EngineConfig
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: int = 16,
-                         max_model_len: int = 1024) -> None:
-    """Model and engine flags (vLLM's names)."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M)")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    group.add_argument("--device", default="auto")
-    group.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
-    group.add_argument("--max-model-len", type=int, default=max_model_len)
-    group.add_argument("--num-kv-blocks", type=int, default=None,
-                       help="KV pool size in blocks (default: the runner's memory-based size)")
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--max-num-batched-tokens", type=int, default=None)
-    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    group.add_argument("--swap-space", type=float, default=0.5, help="GiB of host memory for swap")
-    group.add_argument("--num-threads", type=int, default=None)
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--num-speculative-tokens", type=int, default=0,
-                       help="n-gram speculative decoding: draft tokens per greedy row (0: off)")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the flags describe."""
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-        num_threads=args.num_threads, seed=args.seed, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "mixed64") -> None:

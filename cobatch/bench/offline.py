@@ -12,19 +12,17 @@ import statistics
 from dataclasses import replace
 
 from cobatch.bench import timeline
-from cobatch.bench.common import (add_engine_arguments, add_workload_arguments, engine_config_from_args,
-                                  settings, workload_from_args, write_json)
+from cobatch.bench.common import add_workload_arguments, settings, workload_from_args, write_json
 from cobatch.bench.datasets import BenchRequest, output_length_cv
 from cobatch.bench.runs import EngineFactory, RunResult, run_workload, warm_up
+from cobatch.config_cli import add_engine_args, engine_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser)
+    add_engine_args(parser)  # --batching and --tpot-slo-ms: the policy of a run without --compare
     add_workload_arguments(parser)
-    parser.add_argument("--batching", default="continuous", choices=["static", "continuous"])
     parser.add_argument("--compare", action="store_true", help="run static and continuous, alternating")
     parser.add_argument("--repeats", type=int, default=1, help="runs per policy (alternating)")
-    parser.add_argument("--tpot-slo-ms", type=float, default=None)
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--plot", default=None, help="PNG of the metro timeline (default: none)")
     parser.add_argument("--profile", action="store_true",
@@ -139,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
               + (f"; continuous with {config.num_speculative_tokens} speculative tokens, static never drafts"
                  if config.num_speculative_tokens else ""))
     else:
-        engine = factory.make(batching=args.batching, tpot_slo_ms=args.tpot_slo_ms)
+        engine = factory.make(batching=config.batching, tpot_slo_ms=config.tpot_slo_ms)
         result = run_workload(engine, requests)
         print_run(result)
         if args.profile:

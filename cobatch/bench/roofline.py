@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from cobatch.bench.common import (add_engine_arguments, add_workload_arguments, engine_config_from_args,
-                                  workload_from_args, write_json)
+from cobatch.bench.common import add_workload_arguments, workload_from_args, write_json
 from cobatch.bench.steps import decode_step, time_step
+from cobatch.config_cli import add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:
     from cobatch.engine import StepStats
@@ -182,7 +182,7 @@ def measure_machine(model: object, reps: int = 10, m: int = 1024, bandwidth_byte
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser, max_num_seqs=64)
+    add_engine_args(parser)
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--contexts", default="64,256", help="context lengths of the measured steps")
     parser.add_argument("--reps", type=int, default=7)

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 
 from cobatch.bench import plots
-from cobatch.bench.common import add_engine_arguments, engine_config_from_args, write_json
+from cobatch.bench.common import write_json
+from cobatch.config_cli import add_engine_args, engine_config_from_args
 from cobatch.cost_model import StepTimeModel, r_squared
 from cobatch.engine import Runner
 from cobatch.sampling_params import SamplingParams
@@ -153,12 +154,12 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser, max_num_seqs=64)
+    add_engine_args(parser)  # B = 1, 2, 4, ... up to --max-num-seqs
     parser.add_argument("--contexts", default="128,512", help="context lengths, comma-separated")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--tpot-slo-ms", type=float, default=None)
     parser.add_argument("--slo-context", type=int, default=None,
-                        help="context length for --tpot-slo-ms (default: the largest profiled)")
+                        help="with --tpot-slo-ms: print the largest max_num_seqs meeting it at this "
+                             "context length (default: the largest profiled)")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--profile", action="store_true",

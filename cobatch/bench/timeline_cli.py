@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 
 from cobatch.bench import offline, timeline
-from cobatch.bench.common import (add_engine_arguments, add_workload_arguments, engine_config_from_args,
-                                  workload_from_args)
+from cobatch.bench.common import add_workload_arguments, workload_from_args
 from cobatch.bench.runs import EngineFactory, warm_up
+from cobatch.config_cli import add_engine_args, engine_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # Small defaults: a picture you can read (a few rows, a few dozen requests), in under a minute.
-    add_engine_arguments(parser, max_num_seqs=6)
+    # A small workload: a picture you can read in under a minute (with --max-num-seqs 6: a few rows).
+    add_engine_args(parser)
     add_workload_arguments(parser, default="mixed64")
     parser.set_defaults(num_prompts=18, input_len="16-64", output_len="4-16,48-64")
     parser.add_argument("--plot", default="timeline.png")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cobatch import config_cli
 from cobatch.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -31,10 +32,10 @@ _DEATH_EXIT_DELAY_S = 2.0  # after the engine dies: time to answer 503s and fail
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `serve`'s flags (vLLM's names) to `parser`."""
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--model", default=None, help="the same as the positional MODEL")
+                        help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct); "
+                             "the same as --model")
     _add_http_arguments(parser)
-    _add_engine_arguments(parser)
+    config_cli.add_engine_args(parser)
 
 
 def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,45 +57,9 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
         help="test-only: POST /debug/fault makes the engine fail, stall or die")
 
 
-def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    add("--device", default="auto")
-    add("--max-num-seqs", type=int, default=64)
-    add("--max-num-batched-tokens", type=int, default=None)
-    add("--block-size", type=int, default=16)
-    add("--num-kv-blocks", type=int, default=None)
-    add("--kv-cache-memory-gb", type=float, default=None)
-    add("--swap-space", type=float, default=1.0, help="GiB of host memory for swapped KV blocks")
-    add("--max-model-len", type=int, default=None)
-    add("--batching", default="continuous", choices=["continuous", "static"])
-    add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    add("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    add("--tpot-slo-ms", type=float, default=None)
-    add("--num-speculative-tokens", type=int, default=0,
-        help="n-gram speculative decoding: draft tokens per greedy row (0: off)")
-    add("--ngram-prompt-lookup-min", type=int, default=2, help="shortest tail n-gram looked up for drafts")
-    add("--ngram-prompt-lookup-max", type=int, default=4, help="longest tail n-gram looked up for drafts")
-    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    add("--seed", type=int, default=0)
-    add("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-
-
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the parsed flags (ValueError on bad values)."""
-    return EngineConfig(
-        model=args.model_tag or args.model, dtype=args.dtype, device=args.device,
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb, swap_space=args.swap_space,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, batching=args.batching,
-        scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching, tpot_slo_ms=args.tpot_slo_ms,
-        num_speculative_tokens=args.num_speculative_tokens,
-        ngram_prompt_lookup_min=args.ngram_prompt_lookup_min,
-        ngram_prompt_lookup_max=args.ngram_prompt_lookup_max, seed=args.seed, num_threads=args.num_threads)
+    """EngineConfig from the parsed flags (ValueError on bad values); the positional MODEL wins."""
+    return config_cli.engine_config_from_args(args, model=args.model_tag or args.model)
 
 
 def _default_served_name(model: str | None) -> str:
