@@ -11,13 +11,27 @@ A device block is in exactly one of two places:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from cobatch.request import Request
+
+# The parent of a chain's first block. Not None: hash(None) is address-based before Python 3.12, so
+# it differs between processes, and a router in another process (cobatch/ray) compares its hashes of
+# a prompt with the ones a replica reports. Hashes of ints and tuples of ints are process-independent.
+ROOT_HASH = 0x636F6261746368
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """Hash of a full block, chained with its prefix so equal blocks at different places differ."""
-    return hash((parent_hash, token_ids))
+    return hash((ROOT_HASH if parent_hash is None else parent_hash, token_ids))
+
+
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int) -> None:
+    """Append to `hashes` the chained hashes of token_ids' full blocks it does not cover yet."""
+    while (len(hashes) + 1) * block_size <= len(token_ids):
+        start = len(hashes) * block_size
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, tuple(token_ids[start:start + block_size])))
 
 
 class BlockManager:
@@ -69,11 +83,7 @@ class BlockManager:
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend request.block_hashes over its newly full blocks (cheap: only new blocks)."""
-        hashes, tokens, size = request.block_hashes, request.token_ids, self.block_size
-        while (len(hashes) + 1) * size <= len(tokens):
-            start = len(hashes) * size
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(tokens[start:start + size])))
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks already holding this request's leading full blocks (at least one token left to compute)."""
