@@ -21,11 +21,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from cobatch.config import EngineConfig
-from cobatch.engine import Engine, StepStats
+from cobatch.engine import Engine, Runner, StepStats
 from cobatch.metrics import EngineMetrics
-from cobatch.request import RequestDelta
+from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
-from cobatch.scheduler_output import SchedulerOutput
+from cobatch.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -70,16 +70,9 @@ class EngineInfo:
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """A few counters read by the engine thread after each loop turn: for /metrics and 429s."""
+    """Read by the engine thread after each loop turn: for /metrics, 429s and (later) a replica router."""
 
-    num_running: int = 0
-    num_waiting: int = 0  # sequences
-    num_waiting_requests: int = 0  # distinct requests among them (the queue bound counts these)
-    num_swapped: int = 0
-    num_kv_blocks_used: int = 0
-    kv_usage: float = 0.0
-    num_preemptions_total: int = 0
-    prefix_cache_hit_rate: float = 0.0
+    scheduler: SchedulerStats = SchedulerStats()
     num_steps: int = 0
     num_adds_processed: int = 0
 
@@ -107,19 +100,11 @@ class _StopSequence:
 
 
 @dataclass(frozen=True, slots=True)
-class _Fault:
-    kind: str  # one of FAULT_KINDS
-    seconds: float
-    num_steps: int
-
-
-@dataclass(frozen=True, slots=True)
 class _Shutdown:
     pass
 
 
-_Command = _Add | _Abort | _StopSequence | _Fault | _Shutdown
-FAULT_KINDS = ("step_error", "stall", "no_progress", "engine_death", "clear")
+_Command = _Add | _Abort | _StopSequence | _Shutdown
 
 
 @dataclass(slots=True)
@@ -196,9 +181,10 @@ class AsyncEngine:
         self._num_adds_sent = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **kwargs: object) -> AsyncEngine:
+    def from_config(cls, config: EngineConfig, wrap_runner: Callable[[Runner], Runner] | None = None,
+                    **kwargs: object) -> AsyncEngine:
         """An AsyncEngine whose thread loads the model described by `config` when started."""
-        return cls(lambda: _load_for_serving(config), **kwargs)  # type: ignore[arg-type]
+        return cls(lambda: _load_for_serving(config, wrap_runner), **kwargs)  # type: ignore[arg-type]
 
     # ---- lifecycle (event loop) ----------------------------------------------------------------
 
@@ -247,7 +233,7 @@ class AsyncEngine:
     def num_queued_requests(self) -> int:
         """Requests waiting for a seat: engine's waiting queue plus adds it has not seen yet."""
         unseen = self._num_adds_sent - self.snapshot.num_adds_processed
-        return self.snapshot.num_waiting_requests + max(0, unseen)
+        return self.snapshot.scheduler.num_waiting_requests + max(0, unseen)
 
     async def drain(self, timeout_s: float) -> int:
         """Stop admission, let live requests finish within `timeout_s`, abort the rest."""
@@ -307,13 +293,6 @@ class AsyncEngine:
         """Finish one sequence with "stop" (the server found a stop string in its text)."""
         self._inbox.put(_StopSequence(seq_id, stop_reason))
 
-    def inject_fault(self, kind: str, seconds: float = 0.0, num_steps: int = 1) -> None:
-        """Test-only: the next `num_steps` steps fail or sleep `seconds`; or for `seconds` steps
-        schedule nothing (no_progress); or the engine thread dies; or "clear" removes a fault."""
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {kind!r}")
-        self._inbox.put(_Fault(kind, seconds, num_steps))
-
     # ---- event-loop side of publishing -----------------------------------------------------------
 
     def _dispatch(self, published: _Published) -> None:
@@ -355,7 +334,7 @@ class AsyncEngine:
 
     def _record_metrics(self, published: _Published) -> None:
         assert self.metrics is not None
-        snap = published.snapshot
+        snap = published.snapshot.scheduler
         self.metrics.set_engine_state(snap.num_running, snap.num_waiting, snap.num_swapped,
                                       snap.kv_usage, snap.prefix_cache_hit_rate)
         if published.stats is not None:
@@ -450,8 +429,6 @@ class AsyncEngine:
             delta = engine.stop_sequence(command.seq_id, command.stop_reason)
             if delta is not None:
                 deltas.append(delta)
-        elif isinstance(command, _Fault):
-            _install_fault(engine, command)
 
     def _step(self, engine: Engine, deltas: list[RequestDelta]) -> StepStats | None:
         num_steps = engine.num_steps
@@ -465,15 +442,7 @@ class AsyncEngine:
 
 
 def _snapshot_of(engine: Engine, num_adds: int) -> EngineSnapshot:
-    sched = engine.scheduler
-    bm = sched.block_manager
-    return EngineSnapshot(
-        num_running=len(sched.running), num_waiting=len(sched.waiting),
-        num_waiting_requests=len({r.parent_id for r in sched.waiting}),
-        num_swapped=len(sched.swapped), num_kv_blocks_used=bm.num_used_blocks, kv_usage=bm.usage,
-        num_preemptions_total=sched.num_preemptions_total,
-        prefix_cache_hit_rate=bm.prefix_cache_hit_rate, num_steps=engine.num_steps,
-        num_adds_processed=num_adds)
+    return EngineSnapshot(engine.scheduler.stats(), engine.num_steps, num_adds)
 
 
 def _info_of(engine: Engine) -> EngineInfo:
@@ -488,53 +457,8 @@ def _info_of(engine: Engine) -> EngineInfo:
         eos_token_ids=tuple(runner.eos_token_ids))
 
 
-class _EngineDeathInjected(Exception):
-    """Raised by the engine_death fault: escapes the engine loop like a bug in the engine would."""
-
-
-def _install_fault(engine: Engine, fault: _Fault) -> None:
-    """Test-only faults, applied on the engine thread: a runner hook for the next steps, or a death."""
-    if fault.kind == "engine_death":
-        raise _EngineDeathInjected("injected fault: the engine loop dies")
-    if fault.kind == "no_progress":
-        _starve_scheduler(engine, time.monotonic() + fault.seconds)
-        return
-    runner = engine.runner
-    if fault.kind == "clear":
-        runner.fault_hook = None  # type: ignore[attr-defined]
-        return
-    previous = getattr(runner, "fault_hook", None)
-    remaining = [fault.num_steps]
-
-    def hook(output: object) -> None:
-        remaining[0] -= 1
-        if remaining[0] <= 0:
-            runner.fault_hook = previous  # type: ignore[attr-defined]
-        if fault.kind == "stall":
-            time.sleep(fault.seconds)
-        else:
-            raise RuntimeError("injected fault: this step fails")
-
-    runner.fault_hook = hook  # type: ignore[attr-defined]
-
-
-def _starve_scheduler(engine: Engine, until: float) -> None:
-    """Test-only: until `until`, every step schedules nothing (a livelocked scheduler)."""
-    scheduler = engine.scheduler
-    schedule = scheduler.schedule
-
-    def starved() -> SchedulerOutput:
-        if time.monotonic() >= until:
-            scheduler.schedule = schedule  # type: ignore[method-assign]
-            return schedule()
-        time.sleep(0.001)  # a livelock spins; this one spares the CPU
-        return SchedulerOutput(rows=())
-
-    scheduler.schedule = starved  # type: ignore[method-assign]
-
-
-def _load_for_serving(config: EngineConfig) -> Engine:
+def _load_for_serving(config: EngineConfig, wrap_runner: Callable[[Runner], Runner] | None) -> Engine:
     """Load the engine and make its KV pool resident, so the server's memory is flat from the start."""
-    engine = Engine.from_config(config)
+    engine = Engine.from_config(config, wrap_runner=wrap_runner)
     engine.prefault_kv_cache()
     return engine

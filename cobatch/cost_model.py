@@ -10,9 +10,14 @@ Pure Python (no numpy/torch): a 4x4 normal-equation solve is microseconds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 NUM_FEATURES = 4
+
+# Predicts a step's seconds from (rows, batched tokens, context tokens), like StepTimeModel.predict:
+# what the TPOT SLO bounds the batch with (slo.py, scheduler.py).
+StepTimePredictor = Callable[[int, int, int], float]
 
 
 def features(num_rows: int, num_tokens: int, num_context_tokens: int) -> tuple[float, ...]:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from cobatch.config import EngineConfig, SchedulerConfig
 from cobatch.cost_model import StepTimeModel
-from cobatch.request import Request, RequestDelta, RequestStatus
+from cobatch.outputs import RequestDelta
+from cobatch.request import Request, RequestStatus
 from cobatch.sampling_params import SamplingParams
-from cobatch.scheduler import Scheduler
+from cobatch.scheduler import Scheduler, SchedulerStats
 from cobatch.scheduler_output import RunnerOutput, SchedulerOutput
 
 
@@ -66,16 +68,20 @@ class Engine:
         # so one linear fit over both regimes misjudges the all-decoding batch the SLO seat check asks about.
         self.decode_time_model = StepTimeModel()
         self.scheduler = Scheduler(scheduler_config, self.predict_step_s)
+        self.scheduler_stats: SchedulerStats = self.scheduler.stats()  # as of the last step
         self.stats: deque[StepStats] = deque(maxlen=stats_history)
         self.num_steps = 0
         self._unfinished: dict[str, set[str]] = {}  # request id -> its unfinished sequence ids
 
     @classmethod
-    def from_config(cls, config: EngineConfig, stats_history: int | None = 4096) -> Engine:
-        """Load the model, size the KV pools, and build the engine."""
+    def from_config(cls, config: EngineConfig, stats_history: int | None = 4096,
+                    wrap_runner: Callable[[Runner], Runner] | None = None) -> Engine:
+        """Load the model, size the KV pools, and build the engine (its runner wrapped, if asked)."""
         from cobatch.runner.model_runner import ModelRunner  # torch only where a model runs
 
-        runner = ModelRunner.load(config)
+        runner: Runner = ModelRunner.load(config)
+        if wrap_runner is not None:  # e.g. cobatch.testing's fault injection (serve --enable-fault-injection)
+            runner = wrap_runner(runner)
         scheduler_config = config.scheduler_config(
             runner.num_kv_blocks, runner.num_swap_blocks, runner.max_model_len)
         return cls(runner, scheduler_config, stats_history)
@@ -153,7 +159,6 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """Run one iteration over the current batch; returns the deltas it produced."""
         start = time.monotonic()
-        spec_before = (self.scheduler.num_draft_tokens_total, self.scheduler.num_accepted_tokens_total)
         output = self.scheduler.schedule()
         scheduled = time.monotonic()
         predicted_s = self._predict(output)
@@ -165,7 +170,7 @@ class Engine:
         else:
             deltas = self.scheduler.update(output, runner_output)
         end = time.monotonic()
-        self._record(output, deltas, start, scheduled, end, predicted_s, spec_before)
+        self._record(output, deltas, start, scheduled, end, predicted_s)
         self._forget_finished(deltas)
         return deltas
 
@@ -187,7 +192,7 @@ class Engine:
                     del self._unfinished[delta.parent_id]
 
     def _record(self, output: SchedulerOutput, deltas: list[RequestDelta], start: float,
-                scheduled: float, end: float, predicted_s: float, spec_before: tuple[int, int]) -> None:
+                scheduled: float, end: float, predicted_s: float) -> None:
         rows, tokens, context = _shape(output)
         if rows:
             self.step_time_model.observe(rows, tokens, context, end - start)
@@ -196,21 +201,23 @@ class Engine:
         prefill = sum(r.num_new_tokens for r in output.rows
                       if r.num_computed_tokens < r.num_prompt_tokens and not r.is_padding)
         padding = sum(1 for r in output.rows if r.is_padding)
-        sched = self.scheduler
+        # Speculative counters only move in update(): the last step's totals are this step's "before".
+        before, now = self.scheduler_stats, self.scheduler.stats()
+        self.scheduler_stats = now
         self.stats.append(StepStats(
             step=self.num_steps, start_time=start, duration_s=end - start,
             schedule_s=scheduled - start, execute_s=end - scheduled,
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
-            num_swapped=len(sched.swapped), num_rows=rows, num_prefill_tokens=prefill,
+            num_running=now.num_running, num_waiting=now.num_waiting,
+            num_swapped=now.num_swapped, num_rows=rows, num_prefill_tokens=prefill,
             num_decode_tokens=tokens - prefill - padding, num_context_tokens=context,
             num_padding_rows=padding,
-            num_kv_blocks_used=sched.block_manager.num_used_blocks,
-            kv_usage=sched.block_manager.usage, num_preempted=output.num_preempted,
+            num_kv_blocks_used=now.num_kv_blocks_used,
+            kv_usage=now.kv_usage, num_preempted=output.num_preempted,
             num_generated_tokens=sum(len(d.new_token_ids) for d in deltas),
-            num_draft_tokens=sched.num_draft_tokens_total - spec_before[0],
-            num_accepted_tokens=sched.num_accepted_tokens_total - spec_before[1],
+            num_draft_tokens=now.num_draft_tokens_total - before.num_draft_tokens_total,
+            num_accepted_tokens=now.num_accepted_tokens_total - before.num_accepted_tokens_total,
             predicted_s=predicted_s,
-            prefix_cache_hit_rate=sched.block_manager.prefix_cache_hit_rate,
+            prefix_cache_hit_rate=now.prefix_cache_hit_rate,
             row_request_ids=tuple(r.request_id for r in output.rows)))
         self.num_steps += 1
 

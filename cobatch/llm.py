@@ -4,43 +4,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from cobatch.config import EngineConfig
 from cobatch.engine import Engine
-from cobatch.request import RequestDelta, RequestMetrics
+from cobatch.outputs import CompletionOutput, RequestDelta, RequestOutput
 from cobatch.sampling_params import SamplingParams
-from cobatch.scheduler_output import TokenLogprobs
 from cobatch.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 PromptType = str | dict[str, list[int]]
 Message = dict[str, str]
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    """One of a request's n samples."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprobs] | None = None
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """The result of one prompt: its n completions and the request's timings."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    metrics: RequestMetrics | None = None
-    finished: bool = False
 
 
 class TextStream:
@@ -102,12 +76,12 @@ class LLM:
         wall = stats[-1].start_time + stats[-1].duration_s - stats[0].start_time
         generated = sum(s.num_generated_tokens for s in stats)
         rows = sum(s.num_rows for s in stats) / len(stats)
-        scheduler = self.engine.scheduler
-        drafts = (f", {scheduler.num_accepted_tokens_total} of {scheduler.num_draft_tokens_total} speculative "
-                  f"drafts accepted" if scheduler.num_draft_tokens_total else "")
+        totals = self.engine.scheduler_stats  # as of the last step
+        drafts = (f", {totals.num_accepted_tokens_total} of {totals.num_draft_tokens_total} speculative "
+                  f"drafts accepted" if totals.num_draft_tokens_total else "")
         return (f"{len(stats)} steps, {generated} tokens generated in {wall:.2f} s "
                 f"({generated / wall:.1f} tok/s), mean batch {rows:.1f} rows, "
-                f"{scheduler.num_preemptions_total} preemptions{drafts}")
+                f"{totals.num_preemptions_total} preemptions{drafts}")
 
     # ---- internals -----------------------------------------------------------------------------
 

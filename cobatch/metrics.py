@@ -14,7 +14,7 @@ from typing import Protocol
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
 
-from cobatch.request import RequestDelta
+from cobatch.outputs import RequestDelta
 
 logger = logging.getLogger(__name__)
 

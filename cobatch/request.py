@@ -1,4 +1,4 @@
-"""A request's state inside the engine, and the deltas it emits."""
+"""A request's state inside the engine (what it emits lives in outputs.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cobatch.outputs import RequestMetrics
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import TokenLogprobs
 from cobatch.spec_decode import NgramIndex
@@ -37,21 +38,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    """Timestamps (time.monotonic seconds) and counters of one request's life."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
-    num_swaps: int = 0
-    num_recomputed_tokens: int = 0  # tokens computed again after a recompute preemption
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass(slots=True)
@@ -133,24 +119,3 @@ class Request:
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-
-@dataclass(frozen=True, slots=True)
-class RequestDelta:
-    """What one step added to one sequence: new tokens, and the finish if it finished."""
-
-    request_id: str
-    parent_id: str
-    index: int
-    new_token_ids: tuple[int, ...]
-    new_logprobs: tuple[TokenLogprobs, ...]
-    num_prompt_tokens: int
-    num_output_tokens: int
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    metrics: RequestMetrics | None = None  # a copy, on the finishing delta only
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

@@ -9,18 +9,43 @@ from __future__ import annotations
 
 import time
 from bisect import insort
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from cobatch.block_manager import BlockManager
 from cobatch.config import SchedulerConfig
-from cobatch.request import Request, RequestDelta, RequestStatus
+from cobatch.cost_model import StepTimePredictor
+from cobatch.outputs import RequestDelta
+from cobatch.request import Request, RequestStatus
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput, TokenLogprobs
 from cobatch.slo import SloStepBudget
 from cobatch.spec_decode import NgramProposer, accepted_tokens, min_acceptance
 
-# Predicts a step's seconds from (rows, batched tokens, context tokens): the SLO-bounded batch cap.
-StepTimePredictor = Callable[[int, int, int], float]
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """The scheduler's load at one moment: what step telemetry, /metrics and a replica router read."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # sequences
+    num_waiting_requests: int = 0  # distinct requests among them (the queue bound counts these)
+    num_swapped: int = 0
+    num_running_tokens: int = 0  # prompt + output tokens of the running sequences (their context)
+    num_waiting_tokens: int = 0  # tokens the waiting sequences have yet to prefill
+    num_kv_blocks: int = 0
+    num_kv_blocks_used: int = 0
+    num_preemptions_total: int = 0
+    prefix_cache_hit_rate: float = 0.0  # share of looked-up prompt tokens found in the cache
+    num_draft_tokens_total: int = 0  # speculative drafts fed to the model
+    num_accepted_tokens_total: int = 0  # of which the model agreed with
+
+    @property
+    def num_kv_blocks_free(self) -> int:
+        return self.num_kv_blocks - self.num_kv_blocks_used
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_kv_blocks_used / self.num_kv_blocks if self.num_kv_blocks else 0.0
 
 
 @dataclass(slots=True)
@@ -88,6 +113,21 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        """Queue lengths, KV pool and cumulative counters now (O(waiting + running))."""
+        bm = self.block_manager
+        # A waiting sequence holds no KV (recompute resets it): all its tokens are still to compute.
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_waiting_requests=len({r.parent_id for r in self.waiting}), num_swapped=len(self.swapped),
+            num_running_tokens=sum(len(r.token_ids) for r in self.running),
+            num_waiting_tokens=sum(len(r.token_ids) for r in self.waiting),
+            num_kv_blocks=bm.num_blocks, num_kv_blocks_used=bm.num_used_blocks,
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
+            num_draft_tokens_total=self.num_draft_tokens_total,
+            num_accepted_tokens_total=self.num_accepted_tokens_total)
 
     # ---- schedule ------------------------------------------------------------------------------
 

@@ -15,12 +15,10 @@ The step-time predictor returns 0.0 until it has seen enough steps; meanwhile ad
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
+from cobatch.cost_model import StepTimePredictor
 from cobatch.request import Request
-
-# Predicts a step's seconds from (rows, batched tokens, context tokens).
-StepTimePredictor = Callable[[int, int, int], float]
 
 # Fill steps only to this share of the SLO: a request's TPOT averages the steps it lives through, so a
 # batch filled exactly to the SLO would miss it about half the time (prediction error, machine noise).

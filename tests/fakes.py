@@ -35,13 +35,10 @@ class FakeRunner:
         self.eos_token_ids = eos_token_ids
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (token, position)
         self.host: dict[int, list[tuple[int, int] | None]] = {}  # host block -> its slots
-        self.fault_hook = None
         self.num_steps = 0
         self.script: dict[str, list[int]] = {}  # request id -> tokens to emit instead
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        if self.fault_hook is not None:
-            self.fault_hook(output)
         self.num_steps += 1
         for device, host in output.blocks_to_swap_out:
             self.host[host] = [self.kv.get(self._slot(device, i)) for i in range(self.block_size)]

@@ -1,9 +1,11 @@
-"""AsyncEngine over the fake runner: the engine thread, the inbox, streams, aborts, faults, drain."""
+"""AsyncEngine over the fake runner: the engine thread, the inbox, streams, aborts, faults, drain.
+
+Faults come from cobatch.testing's runner wrapper; the watchdog's tests are in test_faults.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import pytest
@@ -13,17 +15,20 @@ from cobatch.async_engine import (AsyncEngine, EngineDeadError, EngineState, Req
 from cobatch.config import SchedulerConfig
 from cobatch.engine import Engine
 from cobatch.metrics import EngineMetrics
-from cobatch.request import RequestDelta
+from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
+from cobatch.testing.faults import FaultInjector
 from tests.fakes import FakeRunner
 
 PROMPT = [5, 6, 7, 8, 9]
 
 
-def make_engine(step_delay_s: float = 0.0) -> Engine:
-    runner = FakeRunner(num_kv_blocks=32, block_size=4, max_model_len=64)
-    if step_delay_s:
-        runner.fault_hook = lambda output: time.sleep(step_delay_s)
+def make_engine(step_delay_s: float = 0.0, faults: FaultInjector | None = None) -> Engine:
+    """An engine over the fake runner, open to `faults`; every step sleeps `step_delay_s` first."""
+    faults = faults or FaultInjector()
+    if step_delay_s:  # the bottom of the fault stack: newer faults apply over it
+        faults.inject("stall", seconds=step_delay_s, num_steps=1_000_000)
+    runner = faults.wrap(FakeRunner(num_kv_blocks=32, block_size=4, max_model_len=64))
     return Engine(runner, SchedulerConfig(num_kv_blocks=32, block_size=4, max_model_len=64))
 
 
@@ -56,7 +61,7 @@ def test_one_request_streams_its_tokens_and_metrics_see_it() -> None:
         deltas = await collect(engine.add("r1", PROMPT, params(max_tokens=4)))
         assert sum(len(d.new_token_ids) for d in deltas) == 4
         assert deltas[-1].finish_reason == "length"
-        assert engine.snapshot.num_kv_blocks_used == 0 and engine.num_live_requests == 0
+        assert engine.snapshot.scheduler.num_kv_blocks_used == 0 and engine.num_live_requests == 0
         assert b'cobatch:generation_tokens_total{model_name="fake"} 4.0' in metrics.render()[0]
         await engine.shutdown()
     run(main())
@@ -106,12 +111,13 @@ def test_abort_frees_blocks_within_one_step() -> None:
         stream = engine.add("r", PROMPT, params(max_tokens=50))
         deltas = stream.__aiter__()
         await deltas.__anext__()
-        assert engine.snapshot.num_kv_blocks_used > 0
+        assert engine.snapshot.scheduler.num_kv_blocks_used > 0
         engine.abort("r")
         rest = [d async for d in deltas]
         assert rest[-1].finish_reason == "abort"
         await asyncio.sleep(0.05)
-        assert engine.snapshot.num_kv_blocks_used == 0 and engine.snapshot.num_running == 0
+        after = engine.snapshot.scheduler
+        assert after.num_kv_blocks_used == 0 and after.num_running == 0
         await engine.shutdown()
     run(main())
 
@@ -133,8 +139,9 @@ def test_stop_sequence_finishes_one_of_n() -> None:
 
 def test_runner_failure_fails_only_its_request() -> None:
     async def main() -> None:
-        engine = await started(make_engine)
-        engine.inject_fault("step_error")
+        faults = FaultInjector()
+        engine = await started(lambda: make_engine(faults=faults))
+        faults.inject("step_error")
         with pytest.raises(RequestFailedError):
             await collect(engine.add("bad", PROMPT, params()))
         deltas = await collect(engine.add("good", PROMPT, params()))
@@ -146,9 +153,10 @@ def test_runner_failure_fails_only_its_request() -> None:
 def test_engine_death_fails_streams_and_new_requests() -> None:
     async def main() -> None:
         reasons: list[str] = []
-        engine = await started(lambda: make_engine(step_delay_s=0.005), on_dead=reasons.append)
+        faults = FaultInjector()
+        engine = await started(lambda: make_engine(0.005, faults), on_dead=reasons.append)
         stream = engine.add("r", PROMPT, params(max_tokens=50))
-        engine.inject_fault("engine_death")
+        faults.inject("engine_death")  # the next step raises past Engine.step: the loop dies
         with pytest.raises(EngineDeadError):
             await collect(stream)
         assert engine.state == EngineState.DEAD and not engine.is_healthy and reasons
@@ -169,19 +177,6 @@ def test_load_failure_is_death() -> None:
     run(main())
 
 
-def test_watchdog_flags_a_stalled_step() -> None:
-    async def main() -> None:
-        engine = await started(make_engine, watchdog_timeout_s=0.1)
-        engine.inject_fault("stall", seconds=0.5)
-        stream = engine.add("r", PROMPT, params())
-        await asyncio.sleep(0.3)
-        assert engine.is_stalled and not engine.is_healthy
-        await collect(stream)
-        assert engine.is_healthy
-        await engine.shutdown()
-    run(main())
-
-
 def test_drain_lets_short_requests_finish_and_aborts_the_rest() -> None:
     async def main() -> None:
         engine = await started(lambda: make_engine(step_delay_s=0.005))
@@ -197,8 +192,9 @@ def test_drain_lets_short_requests_finish_and_aborts_the_rest() -> None:
 
 def test_queue_count_includes_requests_the_engine_has_not_seen() -> None:
     async def main() -> None:
-        engine = await started(make_engine)
-        engine.inject_fault("stall", seconds=0.3)
+        faults = FaultInjector()
+        engine = await started(lambda: make_engine(faults=faults))
+        faults.inject("stall", seconds=0.3)
         streams = [engine.add(f"r{i}", PROMPT, params()) for i in range(3)]
         assert engine.num_queued_requests == 3  # counted before the engine thread drains the inbox
         for stream in streams:

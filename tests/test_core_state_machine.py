@@ -17,8 +17,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from cobatch.config import SchedulerConfig
 from cobatch.engine import Engine
-from cobatch.request import RequestDelta, RequestStatus
+from cobatch.outputs import RequestDelta
+from cobatch.request import RequestStatus
 from cobatch.sampling_params import SamplingParams
+from cobatch.testing.faults import FaultInjectingRunner
 from tests.fakes import FakeRunner
 from cobatch.scheduler import _StepPlan
 from cobatch.scheduler_output import SchedulerOutput
@@ -72,7 +74,8 @@ class CoreMachine(RuleBasedStateMachine):
     def build(self, config: SchedulerConfig) -> None:
         runner = FakeRunner(config.num_kv_blocks, config.block_size, config.num_swap_blocks,
                             config.max_model_len)
-        self.engine = Engine(runner, config, stats_history=8)
+        self.faults = FaultInjectingRunner(runner)
+        self.engine = Engine(self.faults, config, stats_history=8)
 
     @property
     def _engine(self) -> Engine:
@@ -128,16 +131,9 @@ class CoreMachine(RuleBasedStateMachine):
     @rule()
     def failing_step(self) -> None:
         """The runner raises in one step: that step's requests fail, nobody else."""
-        scheduled: set[str] = set()
-
-        def hook(output: object) -> None:
-            self._engine.runner.fault_hook = None  # type: ignore[attr-defined]
-            scheduled.update(r.request_id for r in output.rows)  # type: ignore[attr-defined]
-            raise RuntimeError("injected")
-
-        self._engine.runner.fault_hook = hook  # type: ignore[attr-defined]
+        self.faults.inject("step_error")
         deltas = self._engine.step()
-        self._engine.runner.fault_hook = None  # type: ignore[attr-defined]
+        scheduled = set(self._engine.stats[-1].row_request_ids)
         failed = {d.request_id for d in deltas if d.finish_reason == "error"}
         assert failed == {s for s in scheduled if not self._is_padding(s)}
         assert all(d.error for d in deltas if d.finish_reason == "error")

@@ -11,7 +11,10 @@ ROOT = Path(__file__).resolve().parent.parent / "cobatch"
 
 CORE = {"cobatch.request", "cobatch.block_manager", "cobatch.scheduler", "cobatch.cost_model",
         "cobatch.slo", "cobatch.spec_decode"}
-CONTRACTS = {"cobatch.config", "cobatch.sampling_params", "cobatch.scheduler_output"}
+CONTRACTS = {"cobatch.config", "cobatch.sampling_params", "cobatch.scheduler_output", "cobatch.outputs"}
+# Test scaffolding (DESIGN.md §2): only `serve --enable-fault-injection` wires it into production code.
+TESTING = "cobatch.testing"
+WIRES_IN_TESTING = {"cobatch.server.cli"}
 
 # module (or package prefix) -> imports it must not make (a prefix forbids the whole package)
 FORBIDDEN: dict[str, set[str]] = {
@@ -19,6 +22,8 @@ FORBIDDEN: dict[str, set[str]] = {
     "cobatch.sampling_params": {"torch", "cobatch"},
     "cobatch.scheduler_output": {"torch", "numpy", "cobatch.scheduler", "cobatch.engine",
                                  "cobatch.runner", "cobatch.models", "cobatch.server"},
+    "cobatch.outputs": {"torch", "numpy", *CORE, "cobatch.engine", "cobatch.runner", "cobatch.models",
+                        "cobatch.server"},
     **{m: {"torch", "numpy", "cobatch.runner", "cobatch.models", "cobatch.server",
            "cobatch.engine", "cobatch.llm", "cobatch.async_engine"} for m in CORE},
     "cobatch.runner": {"cobatch.scheduler", "cobatch.block_manager", "cobatch.engine",
@@ -26,11 +31,12 @@ FORBIDDEN: dict[str, set[str]] = {
     "cobatch.models": {"cobatch.scheduler", "cobatch.block_manager", "cobatch.engine",
                        "cobatch.server", "cobatch.request"},
     "cobatch.engine": {"cobatch.server"},
-    "cobatch.llm": {"cobatch.server"},
+    "cobatch.llm": {"cobatch.server", "cobatch.request"},
     "cobatch.async_engine": {"cobatch.server"},
     "cobatch.server": {"cobatch.scheduler", "cobatch.runner", "cobatch.block_manager",
                        "cobatch.models.llama", "cobatch.models.attention", "cobatch.models.loader",
-                       "cobatch.engine", "torch"},
+                       "cobatch.engine", "cobatch.request", "torch"},
+    "cobatch.testing": {"cobatch.server"},
     "cobatch.bench.serve": {"cobatch.engine", "cobatch.scheduler", "cobatch.runner", "torch"},
     "cobatch.config_cli": {"torch", "cobatch.engine", "cobatch.runner", "cobatch.models", "cobatch.server",
                            "cobatch.scheduler", "cobatch.llm"},  # the flags of EngineConfig: no engine
@@ -81,6 +87,12 @@ def test_import_boundaries(path: Path) -> None:
     bad = sorted({name for name in imports_of(path) for f in forbidden
                   if violates(name, f) and name not in allowed})
     assert not bad, f"{module} imports {bad}, which DESIGN.md §4 forbids"
+
+
+def test_production_code_does_not_import_the_testing_package() -> None:
+    importers = {module_name(p) for p in MODULES if not violates(module_name(p), TESTING)
+                 and any(violates(name, TESTING) for name in imports_of(p))}
+    assert importers <= WIRES_IN_TESTING, f"{sorted(importers - WIRES_IN_TESTING)} import {TESTING}"
 
 
 def _path_of(module: str) -> Path | None:

@@ -8,9 +8,10 @@ import pytest
 
 from cobatch.config import SchedulerConfig
 from cobatch.engine import Engine
-from cobatch.request import RequestDelta
+from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
 from cobatch.slo import SLO_HEADROOM
+from cobatch.testing.faults import FaultInjectingRunner
 from tests.fakes import FakeRunner, next_token
 
 
@@ -287,18 +288,14 @@ def test_config_refuses_a_pool_smaller_than_one_sequence() -> None:
 
 
 def test_a_failed_step_fails_only_its_requests() -> None:
-    engine = make_engine()
+    runner = FaultInjectingRunner(FakeRunner(num_kv_blocks=64, block_size=4))
+    engine = Engine(runner, SchedulerConfig(num_kv_blocks=64, block_size=4, max_model_len=64))
     engine.add_request("a", prompt(0, 3), params(5))
     out: Deltas = {}
     step(engine, out)
-
-    def boom(output):
-        raise RuntimeError("injected")
-
-    engine.runner.fault_hook = boom
+    runner.inject("step_error")  # the next step raises in the runner
     deltas = engine.step()
     assert [(d.request_id, d.finish_reason) for d in deltas] == [("a", "error")]
-    engine.runner.fault_hook = None
     engine.add_request("b", prompt(1, 3), params(2))
     run(engine, out)
     assert tokens_of(out["b"]) == expected(prompt(1, 3), 2)

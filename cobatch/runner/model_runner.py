@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -60,7 +60,6 @@ class ModelRunner:
         self.swap_cache = self._allocate_cache(num_swap_blocks, torch.device("cpu"))
         self.sampler = Sampler(seed, self.device)
         self.attention_kernel = _attention_kernel(self.dtype, self.device) if native_attention else None
-        self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests make steps fail
         self.last_timings: dict[str, float] = {}
         self._profiling = False  # set only inside profile_step
         self._timed_decoder: NativeDecoder | None = None  # profile_step's twin of the C layer loop
@@ -110,8 +109,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Swap out, swap in, one forward over `out.rows`, sample the rows with needs_sample."""
-        if self.fault_hook is not None:
-            self.fault_hook(out)
         self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
         self.last_timings = {"prepare_s": 0.0, "forward_s": 0.0, "lm_head_s": 0.0, "sample_s": 0.0}
         if not out.rows:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from cobatch.async_engine import FAULT_KINDS, AsyncEngine
+from cobatch.async_engine import AsyncEngine
 from cobatch.server.errors import APIError, bad_request, install_error_handlers
 from cobatch.server.frontdoor import ServingContext
 from cobatch.server.middleware import FrontDoorMiddleware
@@ -29,7 +29,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 class FaultRequest(BaseModel):
-    """Test-only: which fault to inject into the engine."""
+    """Test-only: which fault to inject into the engine (kinds: cobatch/testing/faults.py)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: str
@@ -37,8 +37,12 @@ class FaultRequest(BaseModel):
     num_steps: int = Field(1, ge=1, le=1_000_000)
 
 
-def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine thread and stops it at shutdown."""
+def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings,
+               inject_fault: Callable[[str, float, int], None] | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine thread and stops it at shutdown.
+
+    `inject_fault` (test-only: serve --enable-fault-injection) adds POST /debug/fault.
+    """
     ctx = ServingContext(async_engine, tokenizer, settings)
 
     @asynccontextmanager
@@ -59,8 +63,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, settings: Server
 
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
-    if settings.enable_fault_injection:
-        _add_fault_route(app, ctx)
+    if inject_fault is not None:
+        _add_fault_route(app, inject_fault)
     return app
 
 
@@ -134,11 +138,12 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
         return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
 
 
-def _add_fault_route(app: FastAPI, ctx: ServingContext) -> None:
+def _add_fault_route(app: FastAPI, inject_fault: Callable[[str, float, int], None]) -> None:
     @app.post("/debug/fault", include_in_schema=False)
     async def fault(req: FaultRequest) -> JSONResponse:
         """Test-only (--enable-fault-injection): fail or slow the next steps, or kill the engine."""
-        if req.kind not in FAULT_KINDS:
-            raise bad_request(f"kind must be one of {FAULT_KINDS}", "kind")
-        ctx.async_engine.inject_fault(req.kind, req.seconds, req.num_steps)
+        try:
+            inject_fault(req.kind, req.seconds, req.num_steps)  # thread-safe: a queue to the runner
+        except ValueError as exc:
+            raise bad_request(str(exc), "kind") from None
         return JSONResponse({"injected": req.kind})

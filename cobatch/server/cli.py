@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from cobatch.async_engine import EngineInfo
     from cobatch.server.draining_server import DrainingServer
     from cobatch.server.settings import ServerSettings
+    from cobatch.testing.faults import FaultInjector
 
 logger = logging.getLogger("cobatch.server")
 
@@ -97,8 +98,16 @@ def _settings(args: argparse.Namespace, config: EngineConfig, served_name: str) 
     return ServerSettings(
         served_model_name=served_name, model_path=config.model, api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
-        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-        enable_fault_injection=args.enable_fault_injection)
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+
+
+def _fault_injector(enabled: bool) -> FaultInjector | None:
+    """Test-only `--enable-fault-injection`: the one place production code imports cobatch.testing."""
+    if not enabled:
+        return None
+    from cobatch.testing.faults import FaultInjector
+
+    return FaultInjector()
 
 
 def _serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSettings) -> int:
@@ -119,11 +128,13 @@ def _serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSetti
     holder: dict[str, DrainingServer] = {}  # the server exists only after the engine callbacks are built
     name = settings.served_model_name
     url = f"http://{args.host}:{args.port}/v1"
+    faults = _fault_injector(args.enable_fault_injection)  # wraps the runner; POST /debug/fault feeds it
     async_engine = AsyncEngine.from_config(
-        config, metrics=EngineMetrics(name), watchdog_timeout_s=args.watchdog_timeout,
+        config, wrap_runner=faults.wrap if faults else None,
+        metrics=EngineMetrics(name), watchdog_timeout_s=args.watchdog_timeout,
         on_ready=lambda info: _banner(name, info, url, settings),
         on_dead=lambda reason: _on_dead(reason, exit_state, holder["server"]))
-    app = create_app(async_engine, tokenizer, settings)
+    app = create_app(async_engine, tokenizer, settings, inject_fault=faults.inject if faults else None)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                                     access_log=False, lifespan="on",
                                     timeout_graceful_shutdown=5),

@@ -7,7 +7,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from cobatch.async_engine import AsyncEngine, RequestStream
-from cobatch.request import RequestDelta
+from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import TokenLogprobs
 from cobatch.server.protocol import Usage

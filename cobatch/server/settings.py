@@ -15,7 +15,6 @@ class ServerSettings:
     max_queued_requests: int | None = None  # None: unbounded waiting queue
     max_body_bytes: int = 8 * 1024 * 1024
     retry_after_s: int = 1
-    enable_fault_injection: bool = False  # test-only POST /debug/fault
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
