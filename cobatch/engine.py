@@ -163,9 +163,11 @@ class Engine:
         scheduled = time.monotonic()
         predicted_s = self._predict(output)
         deltas: list[RequestDelta]
+        # A failed step fails its requests, not the engine; a BaseException (KeyboardInterrupt, the
+        # engine_death fault of cobatch.testing) is not a failed step and ends the engine loop.
         try:
             runner_output = self.runner.execute(output)
-        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
+        except Exception as exc:  # noqa: BLE001
             deltas = self.scheduler.fail_step(output, f"{type(exc).__name__}: {exc}")
         else:
             deltas = self.scheduler.update(output, runner_output)
