@@ -11,31 +11,10 @@ from cobatch.config import EngineConfig
 from cobatch.engine import Engine
 from cobatch.outputs import CompletionOutput, RequestDelta, RequestOutput
 from cobatch.sampling_params import SamplingParams
-from cobatch.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from cobatch.tokenizer import TextStream, Tokenizer
 
 PromptType = str | dict[str, list[int]]
 Message = dict[str, str]
-
-
-class TextStream:
-    """One sequence's text: incremental detokenization, then stop strings (partial matches held)."""
-
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams,
-                 prompt_token_ids: Sequence[int]) -> None:
-        # The prompt's tail is decoding context: the first token's leading space comes out right.
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
-                                                  params.skip_special_tokens)
-        self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
-
-    def add(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
-        """New text to emit, and the stop string that ended it (None while going on)."""
-        text, stopped = self.stop_checker.process(self.detokenizer.step(token_ids))
-        return text, self.stop_checker.hit if stopped else None
-
-    def flush(self) -> str:
-        """At the end: text held back for a multi-byte character or a partial stop string."""
-        text, stopped = self.stop_checker.process(self.detokenizer.flush())
-        return text if stopped else text + self.stop_checker.flush()
 
 
 class LLM:
@@ -118,18 +97,15 @@ class LLM:
         completion.token_ids.extend(delta.new_token_ids)
         if completion.logprobs is not None:
             completion.logprobs.extend(delta.new_logprobs)
-        text, stop = stream.add(delta.new_token_ids)
-        completion.text += text
-        if stop is not None and not delta.finished:
-            self.engine.stop_sequence(delta.request_id, stop)
-            completion.finish_reason, completion.stop_reason = "stop", stop
-        elif delta.finished:
-            completion.text += stream.flush() if stop is None else ""
-            completion.finish_reason = "stop" if stop is not None else delta.finish_reason
-            completion.stop_reason = stop if stop is not None else delta.stop_reason
-            output.metrics = delta.metrics
-        else:
+        text = stream.add(delta)
+        completion.text += text.text
+        if text.engine_stop is not None:
+            self.engine.stop_sequence(delta.request_id, text.engine_stop)
+        if text.finish_reason is None:
             return 0
+        completion.finish_reason, completion.stop_reason = text.finish_reason, text.stop_reason
+        if delta.finished:
+            output.metrics = delta.metrics
         output.finished = all(c.finish_reason is not None for c in output.outputs)
         return 1
 

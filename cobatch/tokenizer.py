@@ -1,15 +1,19 @@
 """Tokenizer wrapper (HF folder or GGUF file), streaming detokenization, and stop strings.
 
 Imports transformers but no torch-heavy part of cobatch, so the server can use it directly.
+`TextStream` is the one place a sequence's tokens become text, for the offline facade and the server.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from cobatch.models.paths import is_gguf, resolve_model_path
+from cobatch.outputs import RequestDelta
+from cobatch.sampling_params import SamplingParams
 
 _DETOKENIZE_CONTEXT = 5  # prompt tokens kept as context so the first outputs get their spaces right
 
@@ -174,3 +178,47 @@ class StopChecker:
                     best = n
                     break
         return best
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """What one engine delta adds to a sequence's text, and how the sequence ended (if it did)."""
+
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # The stop string that ended the text while the engine still generates: the caller stops it.
+    engine_stop: str | None = None
+
+
+class TextStream:
+    """One sequence's text: incremental detokenization, then stop strings (partial matches held).
+
+    A stop string found in the text finishes the sequence with finish_reason "stop" and the string as
+    stop_reason; text held back (an incomplete character, a partial stop string) is flushed at the end.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams,
+                 prompt_token_ids: Sequence[int]) -> None:
+        # The prompt's tail is decoding context: the first token's leading space comes out right.
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                                  params.skip_special_tokens)
+        self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+        self.is_finished = False
+
+    def add(self, delta: RequestDelta) -> TextDelta:
+        """Fold one delta in; after the finish (or a stop string) later deltas add nothing."""
+        if self.is_finished:
+            return TextDelta("")  # tokens the engine made before our stop reached it: dropped
+        text = self.detokenizer.step(delta.new_token_ids)
+        if delta.finished:
+            text += self.detokenizer.flush()
+        emit, stopped = self.stop_checker.process(text)
+        if stopped:
+            self.is_finished = True
+            hit = self.stop_checker.hit
+            return TextDelta(emit, "stop", hit, engine_stop=None if delta.finished else hit)
+        if not delta.finished:
+            return TextDelta(emit)
+        self.is_finished = True
+        return TextDelta(emit + self.stop_checker.flush(), delta.finish_reason, delta.stop_reason)

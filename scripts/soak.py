@@ -16,7 +16,6 @@ import asyncio
 import json
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from cobatch.testing.server import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls count stars above "
@@ -66,12 +67,6 @@ class Sample:
     kv_usage: float
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def rss_mib(pid: int) -> float:
     """Resident memory of `pid` in MiB, from /proc (psutil is not a dependency)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -90,20 +85,6 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
            "--port", str(port), "--log-level", "warning", *args.server_args]
     log = open(log_path, "wb")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-
-
-def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server never became ready")
 
 
 # ---- load -------------------------------------------------------------------------------------------
@@ -282,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     base_url = f"http://127.0.0.1:{port}"
     proc = start_server(args, port, args.log)
     try:
-        wait_ready(base_url, proc)
+        wait_ready(base_url, proc, timeout_s=300.0, log_path=args.log)
         tally, samples = asyncio.run(soak(base_url, proc.pid, args))
         idle = idle_metrics(base_url)
         time.sleep(args.sample_interval)  # one more RSS reading at idle

@@ -15,6 +15,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
+from cobatch.sampling_params import SamplingParams
+from cobatch.server.frontdoor import sampling_error_param
 from tests.server_process import ServerProcess
 
 API_KEY = "sk-hostile-never-log-91c2"
@@ -127,6 +129,18 @@ def test_the_api_key_is_never_logged(server: ServerProcess) -> None:
     post(server, {"prompt": "x", "max_tokens": 1}, Authorization=API_KEY)  # no scheme
     assert " DEBUG " in server.log()  # debug logging is on: the strictest case
     assert API_KEY not in server.log()
+
+
+@pytest.mark.parametrize("field,value", [("n", 0), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5),
+                                         ("presence_penalty", 3.0), ("repetition_penalty", 0.0),
+                                         ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21),
+                                         ("stop", ("",)), ("logit_bias", ((5, 500.0),)),
+                                         ("temperature", -1.0)])
+def test_every_sampling_params_error_names_its_field(field: str, value: object) -> None:
+    """The server validates sampling fields once, through SamplingParams: its 400 names the field."""
+    with pytest.raises(ValueError) as error:
+        SamplingParams(**{field: value})
+    assert sampling_error_param(str(error.value)) == field
 
 
 def test_a_request_the_engine_thread_refuses_is_a_client_error(server: ServerProcess) -> None:

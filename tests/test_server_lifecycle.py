@@ -1,8 +1,9 @@
-"""Server lifecycle under a real process: overload (429), SIGTERM drain, watchdog, engine death."""
+"""Server lifecycle under a real process: overload (429), SIGTERM drain, quiet stops, watchdog, engine death."""
 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -88,6 +89,49 @@ def wait_health(url: str, status: int, timeout_s: float = 5.0) -> None:
     while httpx.get(f"{url}/health").status_code != status:
         assert time.monotonic() < deadline, f"/health never answered {status}"
         time.sleep(0.02)
+
+
+def assert_quiet_exit(proc: ServerProcess) -> None:
+    """Exit 0 and a log with no traceback and no ERROR line."""
+    assert proc.wait() == 0
+    log = proc.log()
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
+@pytest.mark.parametrize("signals", [(signal.SIGTERM,), (signal.SIGINT,), (signal.SIGTERM, signal.SIGINT)],
+                         ids=["sigterm", "sigint", "sigterm-then-sigint"])
+def test_a_stop_after_a_clean_drain_is_quiet(tiny_model_dir: Path, tmp_path: Path,
+                                             signals: tuple[int, ...]) -> None:
+    """A second signal once stopping changes nothing (it used to skip the lifespan's shutdown)."""
+    proc = start(tiny_model_dir, tmp_path)
+    try:
+        assert httpx.post(f"{proc.base_url}{COMPLETIONS}", json={"prompt": "x", "max_tokens": 2},
+                          timeout=30).status_code == 200
+        for sig in signals:
+            proc.signal(sig)
+        assert_quiet_exit(proc)
+    finally:
+        proc.stop()
+
+
+def test_a_second_signal_aborts_the_drain_quietly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    proc = start(tiny_model_dir, tmp_path, "--enable-fault-injection", "--shutdown-timeout", "60")
+    try:
+        url = proc.base_url
+        httpx.post(f"{url}/debug/fault", json={"kind": "stall", "seconds": 0.05, "num_steps": 100_000})
+        with httpx.stream("POST", f"{url}{COMPLETIONS}", json={**LONG, "max_tokens": 200,
+                                                              "stream": True}, timeout=30) as resp:
+            lines = resp.iter_lines()
+            first_event(lines)
+            proc.signal(signal.SIGTERM)
+            wait_health(url, 503)  # draining: the request goes on
+            proc.signal(signal.SIGINT)  # impatient: stop now
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+        assert_quiet_exit(proc)
+    finally:
+        proc.stop()
 
 
 def test_watchdog_and_drain_timeout_abort(tiny_model_dir: Path, tmp_path: Path) -> None:

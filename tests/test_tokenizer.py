@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cobatch.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from cobatch.outputs import RequestDelta
+from cobatch.sampling_params import SamplingParams
+from cobatch.tokenizer import IncrementalDetokenizer, StopChecker, TextDelta, TextStream, Tokenizer
 
 TEXT = "Héllo wörld 🤗🎉 世界! naïve café — ok 👩‍👩‍👧 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"
 
@@ -92,3 +94,30 @@ def test_false_partial_match_is_released() -> None:
 
 def test_no_stop_strings_is_pass_through() -> None:
     assert StopChecker([]).process("anything") == ("anything", False)
+
+
+def _delta(ids: list[int], finish_reason: str | None = None, stop_reason: int | None = None) -> RequestDelta:
+    return RequestDelta("r-0", "r", 0, tuple(ids), (), 1, len(ids), finish_reason, stop_reason)
+
+
+def test_text_stream_holds_a_stop_string_split_over_tokens(tok: Tokenizer) -> None:
+    stream = TextStream(tok, SamplingParams(stop=["STOP"]), tok.encode("Say:"))
+    pieces = [stream.add(_delta(tok.encode(t, add_special_tokens=False))) for t in ("Hi S", "TO", "P x")]
+    assert "".join(p.text for p in pieces) == "Hi "
+    assert [p.finish_reason for p in pieces] == [None, None, "stop"]
+    assert pieces[-1].stop_reason == pieces[-1].engine_stop == "STOP"  # the engine must be told
+    assert stream.is_finished and stream.add(_delta([5], "length")) == TextDelta("")
+
+
+def test_text_stream_flushes_at_the_finish(tok: Tokenizer) -> None:
+    ids = tok.encode("ok 🤗 ST", add_special_tokens=False)
+    stream = TextStream(tok, SamplingParams(stop=["STOP"], include_stop_str_in_output=True), [])
+    texts = [stream.add(_delta([i])) for i in ids[:-1]] + [stream.add(_delta(ids[-1:], "stop", 2))]
+    assert "".join(t.text for t in texts) == "ok 🤗 ST"  # the partial stop string was plain text
+    assert (texts[-1].finish_reason, texts[-1].stop_reason, texts[-1].engine_stop) == ("stop", 2, None)
+
+
+def test_text_stream_keeps_the_stop_string_when_asked_and_finishing(tok: Tokenizer) -> None:
+    stream = TextStream(tok, SamplingParams(stop=["END"], include_stop_str_in_output=True), [])
+    text = stream.add(_delta(tok.encode("a END b", add_special_tokens=False), "length"))
+    assert text == TextDelta("a END", "stop", "END")  # the engine finished anyway: nothing to stop

@@ -20,6 +20,7 @@ from cobatch.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _LOG_FIELD_MAX = 120
+_LOG_PARAMS_MAX = 1000  # a request's whole SamplingParams, at debug level
 
 
 def escape_for_log(value: object, limit: int = _LOG_FIELD_MAX) -> str:
@@ -93,12 +94,10 @@ class ServingContext:
 
     def sampling_params(self, req: _SamplingRequest, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
-        """SamplingParams from the request's fields; 400 on anything invalid."""
+        """SamplingParams from the request's fields; 400 on anything invalid (SamplingParams checks)."""
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
-        if any(not s for s in stop):
-            raise bad_request("stop strings must be non-empty", "stop")
         stop_token_ids = list(req.stop_token_ids or [])
         self.check_token_ids(stop_token_ids, "stop_token_ids")
         try:
@@ -114,9 +113,10 @@ class ServingContext:
                 logprobs=logprobs, logit_bias=self._logit_bias(req.logit_bias),
                 skip_special_tokens=req.skip_special_tokens)
         except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), sampling_error_param(str(exc))) from exc
 
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """String keys -> token ids in the vocabulary; the values are SamplingParams' to check."""
         items = []
         for key, value in (bias or {}).items():
             try:
@@ -125,9 +125,6 @@ class ServingContext:
                 raise bad_request(f"logit_bias keys must be token ids, got {escape_for_log(key)!r}",
                                   "logit_bias") from None
             self.check_token_ids([token_id], "logit_bias")
-            if not -100.0 <= value <= 100.0:
-                raise bad_request(f"logit_bias values must be in [-100, 100], got {value}",
-                                  "logit_bias")
             items.append((token_id, value))
         return tuple(items)
 
@@ -161,9 +158,19 @@ class ServingContext:
         logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, user=%s", request_id,
                     len(prompt_token_ids), params.n, params.max_tokens,
                     escape_for_log(user) if user else "-")
+        logger.debug("request %s: %s", request_id, escape_for_log(params, limit=_LOG_PARAMS_MAX))
         tracker = GenerationTracker(self.async_engine, self.tokenizer, prompt_token_ids, params)
         return Submission(request_id, stream, tracker)
 
 
 def _or(value: float | int | None, default: float | int) -> float | int:
     return default if value is None else value
+
+
+_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+
+
+def sampling_error_param(message: str) -> str | None:
+    """The request field a SamplingParams error names: its messages start with the field's name."""
+    name = message.split(" ", 1)[0]
+    return name if name in _SAMPLING_FIELDS else None

@@ -11,7 +11,7 @@ from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import TokenLogprobs
 from cobatch.server.protocol import Usage
-from cobatch.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from cobatch.tokenizer import TextStream, Tokenizer
 
 
 @dataclass(slots=True)
@@ -27,62 +27,39 @@ class ChoiceUpdate:
 
 
 @dataclass(slots=True)
-class _Sequence:
-    """One choice's text state."""
-
-    detokenizer: IncrementalDetokenizer
-    stop_checker: StopChecker
-    num_tokens: int = 0
-    is_finished: bool = False
-
-
-@dataclass(slots=True)
 class GenerationTracker:
-    """Per-request state: one detokenizer and stop checker per choice, and the usage counts."""
+    """Per-request state: one text stream per choice, and the usage counts."""
 
     async_engine: AsyncEngine
     tokenizer: Tokenizer
     prompt_token_ids: list[int]
     params: SamplingParams
-    sequences: list[_Sequence] = field(default_factory=list)
+    streams: list[TextStream] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # per choice, up to its finish
 
     def __post_init__(self) -> None:
-        self.sequences = [
-            _Sequence(IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids,
-                                             self.params.skip_special_tokens),
-                      StopChecker(self.params.stop, self.params.include_stop_str_in_output))
-            for _ in range(self.params.n)]
+        self.streams = [TextStream(self.tokenizer, self.params, self.prompt_token_ids)
+                        for _ in range(self.params.n)]
+        self.num_tokens = [0] * self.params.n
 
     def usage(self) -> Usage:
         """Prompt tokens once; completion tokens over all choices, up to each one's stop."""
-        completion = sum(s.num_tokens for s in self.sequences)
+        completion = sum(self.num_tokens)
         prompt = len(self.prompt_token_ids)
         return Usage(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion)
 
     def update(self, delta: RequestDelta) -> ChoiceUpdate | None:
-        """The choice update a delta makes; None once the choice has stopped on a stop string."""
-        seq = self.sequences[delta.index]
-        if seq.is_finished:
+        """The choice update a delta makes; None once the choice has finished (on a stop string)."""
+        stream = self.streams[delta.index]
+        if stream.is_finished:
             return None  # tokens the engine made before our stop reached it: dropped
-        seq.num_tokens += len(delta.new_token_ids)
-        text = seq.detokenizer.step(delta.new_token_ids)
-        if delta.finished:
-            text += seq.detokenizer.flush()
-        emit, stopped = seq.stop_checker.process(text)
-        logprobs = tuple(delta.new_logprobs)
-        if stopped:
-            seq.is_finished = True
-            stop = seq.stop_checker.hit
-            if not delta.finished:  # the engine would go on generating: tell it to stop now
-                self.async_engine.stop_sequence(delta.request_id, stop)
-            return ChoiceUpdate(delta.index, emit, len(delta.new_token_ids), logprobs, "stop", stop)
-        if delta.finished:
-            seq.is_finished = True
-            emit += seq.stop_checker.flush()
-            return ChoiceUpdate(delta.index, emit, len(delta.new_token_ids), logprobs,
-                                delta.finish_reason, delta.stop_reason)
-        return ChoiceUpdate(delta.index, emit, len(delta.new_token_ids), logprobs)
+        self.num_tokens[delta.index] += len(delta.new_token_ids)
+        text = stream.add(delta)
+        if text.engine_stop is not None:
+            self.async_engine.stop_sequence(delta.request_id, text.engine_stop)
+        return ChoiceUpdate(delta.index, text.text, len(delta.new_token_ids),
+                            tuple(delta.new_logprobs), text.finish_reason, text.stop_reason)
 
 
 async def choice_updates(async_engine: AsyncEngine, request_id: str, stream: RequestStream,

@@ -1,0 +1,41 @@
+"""Driving a real `cobatch serve` process from tests and the soak script: a free port, wait for ready."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+_LOG_TAIL_CHARS = 4000
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float,
+               log_path: Path | None = None) -> None:
+    """Poll /health until 200; RuntimeError if the process exits first, TimeoutError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}{_log_tail(log_path)}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass  # not listening yet
+        time.sleep(0.1)
+    raise TimeoutError(f"the server was not ready after {timeout_s} s{_log_tail(log_path)}")
+
+
+def _log_tail(log_path: Path | None) -> str:
+    if log_path is None or not log_path.exists():
+        return ""
+    return ":\n" + log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
