@@ -4,10 +4,11 @@ calls) for decode rows at ctx 256 and a 12 x 170 prefill, and decode's K/V bandw
 
     .venv/bin/python scripts/attention_microbench.py [prefill] [B ...]
 
-Environment: NT threads (2); DTYPE (bfloat16); PA_SO a variant build of csrc/paged_attention.c (A/B of
--D settings); TILE query tokens per tile; BS block size (16; the pool keeps its token count); SHUFFLE=1
-blocks scattered over the pool (as after LRU churn); HUGE=1 caches on transparent huge pages (what TLB
-misses cost); CACHES=1 one cache for all layers (K/V from the CPU caches: the compute-bound time).
+Environment: NT threads (2); DTYPE (bfloat16); PA_SO a variant build of the kernels library (all of
+cobatch/kernels/csrc/*.c, for A/B of -D settings); TILE query tokens per tile; BS block size (16; the pool
+keeps its token count); SHUFFLE=1 blocks scattered over the pool (as after LRU churn); HUGE=1 caches on
+transparent huge pages (what TLB misses cost); CACHES=1 one cache for all layers (K/V from the CPU caches:
+the compute-bound time).
 """
 import ctypes
 import os
@@ -17,14 +18,15 @@ import time
 
 import torch
 
+from cobatch.kernels.attention import AttentionKernel, load_attention_kernel
+from cobatch.kernels.bindings import bind
 from cobatch.models.attention import make_tiles
-from cobatch.models.native import AttentionKernel, load_attention_kernel
 
 BS = int(os.environ.get("BS", "16"))  # block size (tokens)
 LAYERS, BLOCKS, NH, KVH, HD = 30, 2400 * 16 // BS, 9, 3, 64
 torch.set_num_threads(int(os.environ.get("NT", "2")))
 DTYPE = getattr(torch, os.environ.get("DTYPE", "bfloat16"))
-KERNEL = AttentionKernel(ctypes.CDLL(os.environ["PA_SO"])) if os.environ.get("PA_SO") else load_attention_kernel()
+KERNEL = AttentionKernel(bind(ctypes.CDLL(os.environ["PA_SO"]))) if os.environ.get("PA_SO") else load_attention_kernel()
 assert KERNEL is not None, "the native kernel is not available"
 if os.environ.get("TILE"):
     KERNEL.tile_tokens = int(os.environ["TILE"])

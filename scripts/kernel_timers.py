@@ -1,6 +1,6 @@
 """Where a bf16 step's time goes inside the C layer loop the engine runs: wall time per kernel (input
 norm, QKV GEMM, RoPE, K/V write, attention, o_proj, post-attention norm, gate/up GEMM with SiLU, down GEMM),
-summed over the layers, from csrc/decoder.c built with -DKERNEL_TIMERS (the decode rows' K/V are written
+summed over the layers, from the kernels library built with -DKERNEL_TIMERS (the decode rows' K/V are written
 inside the attention call, so "write_kv" holds the other rows' only; "norm" includes the final norm); and
 the step's time outside the loop (embedding, lm_head, sampling, input preparation). `cobatch bench steps --profile` labels the same
 parts through the torch profiler, which runs the Python layer loop instead of the C one.
@@ -37,11 +37,11 @@ def parse(arg: str, runner: ModelRunner) -> tuple[str, SchedulerOutput]:
 def main() -> None:
     args = sys.argv[1:] or ["1:256", "32:256", "64:256", "prefill:12:170"]
     runner = ModelRunner.load(EngineConfig(dtype="bfloat16", max_num_batched_tokens=8192))
-    decoder = runner.model.native_decoder
+    decoder = runner.native_decoder
     timed = decoder.with_timers() if decoder is not None else None
     if timed is None:
         raise SystemExit("the C layer loop is not available here (bf16 with the native kernels)")
-    runner.model.native_decoder = timed
+    runner.native_decoder = timed
     for arg in args:
         name, step = parse(arg, runner)
         runner.execute(step)  # warm-up

@@ -1,4 +1,4 @@
-"""Packed-weight bf16 GEMM (cobatch.models.linear) vs F.linear with the weights NOT in cache, as in a step.
+"""Packed-weight bf16 GEMM (cobatch.kernels.linear) vs F.linear with the weights NOT in cache, as in a step.
 
 A fake step runs the SmolLM2-135M linears of 30 layers (qkv [960,576], o [576,576], gate_up [3072,576],
 down [576,1536]: ~212 MB of distinct weights, well over the 32 MB L3) and lm_head [49152,576]; each call is
@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from cobatch.models.linear import linear, native_gemm, pack_weight
+from cobatch.kernels.linear import linear, native_gemm, pack_weight
 
 Linear = Callable[[torch.Tensor, str, int], torch.Tensor]  # (x, shape name, layer)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),

@@ -11,7 +11,7 @@ eager_ops = "--eager-ops" in sys.argv  # the torch path of norm/rope/SiLU instea
 torch.set_num_threads(int(os.environ.get("NT", "2")))
 r = ModelRunner.load(EngineConfig(dtype="bfloat16", num_kv_blocks=2400, max_model_len=1024))
 if eager_ops:
-    from cobatch.models.fused_ops import EAGER
+    from cobatch.kernels.fused_ops import EAGER
     r.model.ops = EAGER
 cases = [("prefill12x170", prefill_step(12, 170, 16))] + [(f"decode B={b}", decode_step(b, 256, 16, 2400)) for b in [int(v) for v in os.environ.get("BS", "1,8,32,64").split(",")]]
 for name, out in cases:

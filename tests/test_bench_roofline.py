@@ -11,7 +11,7 @@ from cobatch.bench.roofline import (Machine, ModelCost, add_arguments, gap_by_st
                                    measure_machine, model_cost, roofline_tokens_per_s, run_against_ceiling,
                                    step_ideal_s, step_kind)
 from cobatch.engine import StepStats
-from cobatch.models.linear import is_gate_up_packed, is_packed, native_gemm
+from cobatch.kernels.linear import is_gate_up_packed, is_packed, native_gemm
 from tests.runner_helpers import runner_for, tiny_hf_model
 
 

@@ -208,7 +208,7 @@ def test_watchdog_stays_quiet_when_idle_and_right_after_a_long_idle() -> None:
 
 _DENORMAL_PROBE = """
 import sys
-from cobatch.models.native import load_attention_kernel
+from cobatch.kernels.attention import load_attention_kernel
 kernel = load_attention_kernel()
 sys.exit(2 if kernel is None else 0 if 5e-324 > 0.0 else 1)
 """

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cobatch.models import fused_ops as fused_ops_module
-from cobatch.models.fused_ops import EAGER, fused_ops
+from cobatch.kernels import fused_ops as fused_ops_module
+from cobatch.kernels.fused_ops import EAGER, fused_ops
 from cobatch.models.llama import rope_tables
 
 NATIVE = fused_ops()

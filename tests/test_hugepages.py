@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cobatch.models.hugepages import HUGE_PAGE_BYTES, huge_page_zeros, move_to_huge_pages
+from cobatch.kernels.hugepages import HUGE_PAGE_BYTES, huge_page_zeros, move_to_huge_pages
 
 
 def test_huge_page_zeros_are_zero_and_start_on_a_huge_page() -> None:

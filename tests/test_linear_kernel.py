@@ -1,4 +1,4 @@
-"""Packed-weight bf16 GEMM (csrc/gemm_bf16.c via cobatch.models.linear) against F.linear and fp32."""
+"""Packed-weight bf16 GEMM (csrc/gemm_bf16.c via cobatch.kernels.linear) against F.linear and fp32."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cobatch.models import linear as linear_module
-from cobatch.models.fused_ops import fused_ops
-from cobatch.models.linear import (PackedGemm, can_pack, can_pack_gate_up, embedding, is_gate_up_packed, is_packed,
+from cobatch.kernels import linear as linear_module
+from cobatch.kernels.fused_ops import fused_ops
+from cobatch.kernels.linear import (PackedGemm, can_pack, can_pack_gate_up, embedding, is_gate_up_packed, is_packed,
                                    linear, native_gemm, pack_gate_up, pack_weight, packed_shape, silu_mul_linear,
                                    unpack_weight)
 

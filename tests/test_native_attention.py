@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cobatch.models.attention import AttentionMetadata, make_tiles, paged_attention
-from cobatch.models.native import load_attention_kernel
+from cobatch.kernels.attention import load_attention_kernel
 from cobatch.runner.model_runner import _prepare_any, prepare_batch
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import ScheduledRow

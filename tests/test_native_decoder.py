@@ -1,4 +1,4 @@
-"""The layer loop in C (models/native_decoder.py, csrc/decoder.c) against the Python layer loop it replaces:
+"""The layer loop in C (kernels/decoder.py, kernels/csrc/decoder.c) against the Python layer loop it replaces:
 the same kernels in the same order, so the same bits, on ragged steps mixing decode rows, prefill chunks
 over a cached prefix and fresh prompts; and it steps aside wherever it cannot run."""
 
@@ -9,11 +9,13 @@ import time
 import pytest
 import torch
 
+from cobatch.kernels.bindings import KERNEL_TIMERS
+from cobatch.kernels.decoder import NativeDecoder
+from cobatch.kernels.linear import is_gate_up_packed, is_packed, native_gemm
 from cobatch.models import llama as llama_module
-from cobatch.models.linear import is_gate_up_packed, is_packed, native_gemm
 from cobatch.models.loader import build_model
 from cobatch.models.model_config import ModelConfig
-from cobatch.models.native_decoder import KERNEL_TIMERS, NativeDecoder
+from cobatch.runner.layer_loop import native_layer_loop
 from cobatch.runner.model_runner import ModelRunner, prepare_batch
 from cobatch.scheduler_output import SchedulerOutput
 from tests.runner_helpers import BlockAllocator, Seq, step, tiny_hf_model
@@ -43,18 +45,16 @@ def _forward(runner: ModelRunner, out: SchedulerOutput, native: bool,
              sampled_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's last hidden states (every row's, or the sampled rows' as the runner asks for them) and
     the KV cache after it, with the native loop on or off."""
-    decoder = runner.model.native_decoder
     cache = runner.kv_cache.clone()
     try:
-        runner.model.native_decoder = decoder if native else None
         batch = prepare_batch(out.rows, runner.block_size, runner.device, runner.attention_kernel,
                               runner.scratch_slot)
         keep = (batch.sample_indices, batch.sample_tiles) if sampled_only else (None, None)
         with torch.inference_mode():
-            hidden = runner.model(batch.input_ids, batch.positions, batch.meta, runner.kv_caches, False, *keep)
+            hidden = runner.model(batch.input_ids, batch.positions, batch.meta, runner.kv_caches, False, *keep,
+                                  layer_loop=runner.native_decoder if native else None)
         return hidden, runner.kv_cache.clone()
     finally:
-        runner.model.native_decoder = decoder
         runner.kv_cache.copy_(cache)
 
 
@@ -68,7 +68,7 @@ def _forward(runner: ModelRunner, out: SchedulerOutput, native: bool,
 ])
 def test_same_bits_as_the_python_layer_loop(arch: str, overrides: dict) -> None:
     runner = _runner(arch, **overrides)
-    assert runner.model.native_decoder is not None
+    assert runner.native_decoder is not None
     out = _mixed_step(runner)
     hidden, cache = _forward(runner, out, native=True)
     ref_hidden, ref_cache = _forward(runner, out, native=False)
@@ -97,19 +97,19 @@ def test_fused_gate_up_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> N
 
 @needs_kernels
 def test_twin_with_kernel_timers_times_every_kernel_and_changes_no_bits() -> None:
-    """with_timers(): decoder.c built with -DKERNEL_TIMERS sums each kernel's wall time and computes what the
-    engine's build does; take_kernel_seconds zeroes the sums; the engine's build has no timers."""
+    """with_timers(): the library built with -DKERNEL_TIMERS sums each kernel's wall time and computes what
+    the engine's build does; take_kernel_seconds zeroes the sums; the engine's build has no timers."""
     runner = _runner("llama", intermediate_size=96)
     out = _mixed_step(runner)
-    plain = runner.model.native_decoder
+    plain = runner.native_decoder
     timed = plain.with_timers()
     assert timed is not None and plain.take_kernel_seconds() == {}
     timed.take_kernel_seconds()
-    runner.model.native_decoder = timed
+    runner.native_decoder = timed
     try:
         hidden, cache = _forward(runner, out, native=True)
     finally:
-        runner.model.native_decoder = plain
+        runner.native_decoder = plain
     ref_hidden, ref_cache = _forward(runner, out, native=True)
     assert torch.equal(hidden, ref_hidden) and torch.equal(cache, ref_cache)
     seconds = timed.take_kernel_seconds()
@@ -122,7 +122,7 @@ def test_profile_step_times_the_c_loop_kernels() -> None:
     """A bf16 runner on the native loop profiles a step with its kernel timers: every part measured, the
     parts adding up to the step, and the engine's own decoder back in place."""
     runner = _runner("llama", intermediate_size=96)
-    decoder = runner.model.native_decoder
+    decoder = runner.native_decoder
     out = _mixed_step(runner)
     start = time.perf_counter()
     parts = runner.profile_step(out)
@@ -131,7 +131,7 @@ def test_profile_step_times_the_c_loop_kernels() -> None:
                           "sample"}
     assert all(parts[name] > 0 for name in ("norm", "qkv_proj+rope", "attention", "o_proj", "mlp", "lm_head"))
     assert sum(parts.values()) <= elapsed
-    assert runner.model.native_decoder is decoder and not decoder.take_kernel_seconds()
+    assert runner.native_decoder is decoder and not decoder.take_kernel_seconds()
 
 
 @needs_kernels
@@ -156,7 +156,7 @@ def test_generation_is_the_same_with_and_without_it() -> None:
     for native in (True, False):
         runner = _runner("llama")
         if not native:
-            runner.model.native_decoder = None
+            runner.native_decoder = None
         alloc = BlockAllocator(runner.block_size)
         seqs = [alloc.seq(f"r{i}", list(range(3 + 7 * i, 20 + 9 * i)), 64) for i in range(3)]
         step(runner, [(s, None) for s in seqs])
@@ -180,8 +180,8 @@ def test_steps_aside_where_it_cannot_run(case: str, monkeypatch: pytest.MonkeyPa
         runner = ModelRunner.from_model(build_model(config, hf.state_dict(), torch.bfloat16), config, 64, 4,
                                         native_attention=False)
     if case != "torch attention":
-        assert runner.model.native_decoder is None
-        assert NativeDecoder.build(runner.model) is None
+        assert runner.native_decoder is None
+        assert native_layer_loop(runner.model) is None
 
     def boom(*args: object) -> None:
         raise AssertionError("the native decoder ran without the native attention's metadata")

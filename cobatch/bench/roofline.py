@@ -155,8 +155,8 @@ def measure_machine(model: object, reps: int = 10, m: int = 1024, bandwidth_byte
     import torch
     import torch.nn.functional as F
 
-    from cobatch.models.hugepages import huge_page_zeros
-    from cobatch.models.linear import is_gate_up_packed, is_packed, linear, packed_shape, unpack_weight
+    from cobatch.kernels.hugepages import huge_page_zeros
+    from cobatch.kernels.linear import is_gate_up_packed, is_packed, linear, packed_shape, unpack_weight
 
     peak = 0.0
     seen: set[tuple[int, int]] = set()

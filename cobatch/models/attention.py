@@ -1,16 +1,17 @@
 """Paged attention over a block-structured KV cache, for a ragged batch of decode rows and prefill chunks.
 
 KV cache of one layer: K and V tensors `[num_blocks, block_size, num_kv_heads, head_dim]`; token t of a
-sequence lives at slot `block_table[t // block_size] * block_size + t % block_size`. Each step first writes
-its new tokens' K/V to their slots, then attends, so every query's whole context is in the cache. Where
-the native kernel's AVX-512 path serves the cache, the elements inside each block are in the kernel's
-own order (head-major, pre-arranged for its dot products: csrc/paged_attention.c), written only through
-`kernel.write_kv`; everything else here handles whole blocks (swap, prefix sharing) and never looks inside.
+sequence lives at slot `block_table[t // block_size] * block_size + t % block_size`. Each step first
+writes its new tokens' K/V to their slots, then attends, so every query's whole context is in the cache.
+Where the native kernel's AVX-512 path serves the cache, the elements inside each block are in the
+kernel's own order (head-major, pre-arranged for its dot products: kernels/csrc/paged_attention.c),
+written only through `kernel.write_kv`; everything else here handles whole blocks (swap, prefix sharing)
+and never looks inside.
 
-Native path (models/native.py, csrc/paged_attention.c): one kernel call for the whole batch. Every query
-token sees its own context (a decode row: seq_len keys; a prefill token at position p: p + 1, causal)
-through its sequence's block table, read in place; tiles of consecutive tokens of one sequence share the
-K/V reads:
+Native path (kernels/attention.py, kernels/csrc/paged_attention.c): one kernel call for the whole batch.
+Every query token sees its own context (a decode row: seq_len keys; a prefill token at position p: p + 1,
+causal) through its sequence's block table, read in place; tiles of consecutive tokens of one sequence
+share the K/V reads:
 
     tokens:  [ d0 | d1 | ... | p0 p0 p0 ... p0 p0 | p1 p1 ... ]
     tiles:     1    1          <= tile_tokens each    (seq, first token, num tokens, context of the first)
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 
 
 class AttentionKernel(Protocol):
-    """A fused paged attention over the whole ragged batch (models/native.py): K/V read in place."""
+    """A fused paged attention over the whole ragged batch (kernels/attention.py): K/V read in place."""
 
     tile_tokens: int  # most query tokens per tile
 

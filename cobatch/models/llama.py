@@ -1,30 +1,40 @@
 """Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2) over a flat ragged batch.
 
 gpt-fast style: explicit arguments, no HF plumbing. Q/K/V and gate/up projections are fused at load time
-(one matmul each); in bf16 on CPU `pack_linear_weights` repacks them for the native GEMM (linear.py);
-the residual add + RMSNorm, RoPE and SiLU-multiply are fused native ops (fused_ops.py).
-`forward` runs the whole step's tokens `[T]` through the layers and the final norm of the rows that
-sample; `compute_logits` runs lm_head on them.
+(one matmul each); in bf16 on CPU `pack_linear_weights` repacks them for the native GEMM
+(kernels/linear.py); the residual add + RMSNorm, RoPE and SiLU-multiply are fused native ops
+(kernels/fused_ops.py). `forward` runs the whole step's tokens `[T]` through the layers (or through the
+caller's `layer_loop`: the runner passes the C one) and the final norm of the rows that sample;
+`compute_logits` runs lm_head on them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import ContextManager, Sequence
+from typing import ContextManager, Protocol, Sequence
 
 import torch
 from torch import nn
 
+from cobatch.kernels.fused_ops import FusedOps, fused_ops
+from cobatch.kernels.hugepages import move_to_huge_pages
+from cobatch.kernels.linear import (can_pack, can_pack_gate_up, embedding, is_gate_up_packed, linear, pack_gate_up,
+                                    pack_weight, silu_mul_linear)
 from cobatch.models.attention import AttentionMetadata, paged_attention
-from cobatch.models.fused_ops import FusedOps, fused_ops
-from cobatch.models.hugepages import move_to_huge_pages
-from cobatch.models.linear import (can_pack, can_pack_gate_up, embedding, is_gate_up_packed, linear, pack_gate_up,
-                                   pack_weight, silu_mul_linear)
 from cobatch.models.model_config import ModelConfig, RopeScaling
-from cobatch.models.native_decoder import NativeDecoder
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, num_kv_heads, head_dim] (attention.py)
+
+
+class LayerLoop(Protocol):
+    """Every decoder layer and the final norm in one call, in place of forward's Python loop, with the same
+    values (the runner's C loop: kernels/decoder.py): embeddings [T, H] -> the rows `keep`'s final hidden
+    states (all rows when None; keep_tiles: their last-layer attention tiles)."""
+
+    def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches: Sequence[KVCache], keep: torch.Tensor | None,
+                 keep_tiles: torch.Tensor | None) -> torch.Tensor: ...
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -149,19 +159,18 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_pos, hd / 2]
         self.register_buffer("rope_sin", sin, persistent=False)
         self.ops: FusedOps = fused_ops()  # native fused norm/rope/SiLU where built; EAGER for A/B
-        # The layer loop in C (models/native_decoder.py), set by pack_linear_weights where it can run.
-        self.native_decoder: NativeDecoder | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: Sequence[KVCache], profile: bool = False, keep: torch.Tensor | None = None,
-                keep_tiles: torch.Tensor | None = None) -> torch.Tensor:
+                keep_tiles: torch.Tensor | None = None, layer_loop: LayerLoop | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> the final hidden states (after the last layer and the final norm)
-        of the rows `keep` [R] (default: all, [T, H]). The native loop uses keep_tiles (one attention tile
-        per kept row) to skip the other rows' work in the last layer past its K/V write; same values."""
+        of the rows `keep` [R] (default: all, [T, H]). layer_loop (the runner's C loop) runs the layers and
+        the final norm instead of the Python loop; it uses keep_tiles (one attention tile per kept row) to
+        skip the other rows' work in the last layer past its K/V write; same values."""
         with scope("embed+rope_tables", profile):
             x = embedding(input_ids, self.embed_tokens)  # [T, H]
-        if self.native_decoder is not None and meta.kernel is not None and not profile:
-            return self.native_decoder(x, positions, meta, kv_caches, keep, keep_tiles)  # final norm included
+        if layer_loop is not None:
+            return layer_loop(x, positions, meta, kv_caches, keep, keep_tiles)  # final norm included
         residual: torch.Tensor | None = None
         rope = (self.rope_cos, self.rope_sin)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -177,9 +186,9 @@ class LlamaForCausalLM(nn.Module):
         """Repack every projection and lm_head (with the embeddings it is tied to) for the native GEMM,
         in place, where `can_pack` allows; returns how many weights were packed. Packing is a
         permutation: the model's memory stays the same (moved onto huge pages when anything was
-        packed; the caller frees the old heap). Then the layer loop moves to C where it can
-        (`native_decoder`; profiled steps keep the Python loop for its labelled parts). The gate/up
-        weight takes pack_gate_up's layout where its size allows (linear.py)."""
+        packed; the caller frees the old heap). Packed weights are what the C layer loop reads (the
+        runner's choice). The gate/up weight takes pack_gate_up's layout where its size allows
+        (kernels/linear.py)."""
         owners = [(layer, name) for layer in self.layers
                   for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] + [(self, "lm_head")]
         packed = 0
@@ -192,8 +201,7 @@ class LlamaForCausalLM(nn.Module):
                 param.data = pack_weight(param.data)  # the same Parameter: a tied embedding follows
                 packed += 1
         if packed:
-            move_to_huge_pages(list(self.parameters()))  # streamed every decode step (hugepages.py)
-        self.native_decoder = NativeDecoder.build(self)
+            move_to_huge_pages(list(self.parameters()))  # streamed every decode step (kernels/hugepages.py)
         return packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

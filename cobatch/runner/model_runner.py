@@ -15,13 +15,15 @@ from typing import Sequence
 import torch
 
 from cobatch.config import EngineConfig
+from cobatch.kernels.attention import load_attention_kernel
+from cobatch.kernels.cpu import cpu_flags
+from cobatch.kernels.decoder import NativeDecoder
+from cobatch.kernels.hugepages import huge_page_zeros
 from cobatch.models.attention import AttentionKernel, AttentionMetadata, PrefillSpan, make_tiles
-from cobatch.models.hugepages import huge_page_zeros
 from cobatch.models.llama import LlamaForCausalLM, scope
 from cobatch.models.loader import load_model, release_freed_heap, resolve_model_path
 from cobatch.models.model_config import ModelConfig
-from cobatch.models.native import load_attention_kernel
-from cobatch.models.native_decoder import NativeDecoder
+from cobatch.runner.layer_loop import native_layer_loop
 from cobatch.runner.sampler import Sampler
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
 
@@ -40,8 +42,10 @@ class ModelRunner:
                  seed: int = 0, native_attention: bool = True) -> None:
         param = next(model.parameters())
         if param.dtype == torch.bfloat16 and param.device.type == "cpu" and model.pack_linear_weights():
-            release_freed_heap()  # the unpacked copies (the native GEMM's layout: models/linear.py)
+            release_freed_heap()  # the unpacked copies (the native GEMM's layout: kernels/linear.py)
         self.model, self.model_config = model, model_config
+        # The layer loop in C where it can run (bf16 on packed weights); profiled steps keep the Python loop.
+        self.native_decoder: NativeDecoder | None = native_layer_loop(model)
         self.dtype, self.device = param.dtype, param.device
         self.block_size = block_size
         self.num_kv_blocks, self.num_swap_blocks = num_kv_blocks, num_swap_blocks
@@ -116,8 +120,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = prepare_batch(out.rows, self.block_size, self.device, self.attention_kernel, self.scratch_slot)
         t1 = time.perf_counter()
+        layer_loop = self.native_decoder if batch.meta.kernel is not None and not self._profiling else None
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches, self._profiling,
-                            *batch.keep())  # [R, H]: the rows that sample
+                            *batch.keep(), layer_loop=layer_loop)  # [R, H]: the rows that sample
         t2 = time.perf_counter()
         with scope("lm_head", self._profiling):
             logits = self.model.compute_logits(hidden)  # [R, V] model dtype
@@ -142,7 +147,7 @@ class ModelRunner:
         the Python layer loop (models/llama.py scopes, "embed+rope_tables" too), whose own overhead
         inflates the many small ops.
         """
-        decoder = self.model.native_decoder
+        decoder = self.native_decoder
         if decoder is not None:
             if self._timed_decoder is None:
                 self._timed_decoder = decoder.with_timers()
@@ -168,11 +173,11 @@ class ModelRunner:
                         timed: NativeDecoder) -> dict[str, float]:
         """profile_step with the C layer loop's kernel timers (timed: decoder's twin with timers)."""
         timed.take_kernel_seconds()  # from zero
-        self.model.native_decoder = timed
+        self.native_decoder = timed
         try:
             self.execute(out)
         finally:
-            self.model.native_decoder = decoder
+            self.native_decoder = decoder
         k, t = timed.take_kernel_seconds(), self.last_timings
         loop = {"norm": k["norm"] + k["post_norm"], "qkv_proj+rope": k["qkv"] + k["rope"],
                 "attention": k["write_kv"] + k["attention"], "o_proj": k["o_proj"],
@@ -404,18 +409,8 @@ def cpu_has_fast_bf16() -> bool:
         return False
     if "AVX512" not in torch.backends.cpu.get_cpu_capability():
         return False
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _kv_cache_bytes(config: EngineConfig, device: torch.device) -> float:

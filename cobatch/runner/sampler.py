@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from cobatch.models.fused_ops import fused_ops
+from cobatch.kernels.fused_ops import fused_ops
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import ScheduledRow, TokenLogprobs
 

@@ -32,24 +32,17 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from cobatch.models.native import load_library
+from cobatch.kernels.bindings import load_kernels
 
 PANEL = 16  # output columns per packed panel (one AVX-512 vector of fp32 results)
 BLOCK_PANELS = 3  # panels side by side in a packed block: the kernel's tile width (NZ in gemm_bf16.c)
-
-_PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 class PackedGemm:
     """y = x @ W.T + bias for contiguous CPU bf16 x [M, K] and a packed W (csrc/gemm_bf16.c)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.gemm_bf16
-        self._fn.argtypes = [_PTR] * 4 + [_I64] * 3 + [_INT]
-        self._fn.restype = _INT
-        self._rows = lib.packed_rows_bf16
-        self._rows.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR]
-        self._rows.restype = _INT
+        self._fn, self._rows = lib.gemm_bf16, lib.packed_rows_bf16
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """[..., K] -> [..., N]."""
@@ -84,11 +77,8 @@ class PackedGemmSilu:
     """silu(x @ Wg.T) * (x @ Wu.T) for contiguous CPU bf16 x [M, K] and a pack_gate_up weight
     (csrc/gemm_bf16.c, gemm_bf16_silu; the activation is fused_ops.c's silu_mul_rows_bf16)."""
 
-    def __init__(self, gemm: ctypes.CDLL, ops: ctypes.CDLL) -> None:
-        self._fn = gemm.gemm_bf16_silu
-        self._fn.argtypes = [_PTR] * 3 + [_I64] * 3 + [_INT, _PTR]
-        self._fn.restype = _INT
-        self._act_rows = ctypes.cast(ops.silu_mul_rows_bf16, _PTR).value
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.gemm_bf16_silu
 
     def __call__(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """[..., K] -> [..., I]."""
@@ -100,7 +90,7 @@ class PackedGemmSilu:
         if rows == 0:
             return out
         status = self._fn(x.data_ptr(), gate_up.data_ptr(), out.data_ptr(), rows, two_inter // 2, in_features,
-                          torch.get_num_threads(), self._act_rows)
+                          torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"gemm_bf16_silu failed with status {status}")
         return out
@@ -116,7 +106,7 @@ def _check_input(x: torch.Tensor, in_features: int) -> None:
 def native_gemm() -> PackedGemm | None:
     """The kernel, built on first use; None when native code is off, the build fails or the CPU lacks
     AVX512-BF16 (the C file then builds a stub that says so)."""
-    lib = load_library("gemm_bf16")
+    lib = load_kernels()
     if lib is None or not lib.gemm_bf16_available():
         return None
     return PackedGemm(lib)
@@ -124,11 +114,9 @@ def native_gemm() -> PackedGemm | None:
 
 @lru_cache(maxsize=1)
 def native_gemm_silu() -> PackedGemmSilu | None:
-    """The fused gate/up + SiLU-multiply kernel where the GEMM and the fused ops are both built."""
-    gemm, ops = load_library("gemm_bf16"), load_library("fused_ops")
-    if native_gemm() is None or gemm is None or ops is None:
-        return None
-    return PackedGemmSilu(gemm, ops)
+    """The fused gate/up + SiLU-multiply kernel, where the GEMM is (the same library holds both)."""
+    lib = load_kernels()
+    return None if native_gemm() is None or lib is None else PackedGemmSilu(lib)
 
 
 def can_pack(weight: torch.Tensor) -> bool:

@@ -43,19 +43,16 @@
  * Work items (make_items): a decode row over all KV heads (it streams each block front to back), a
  * longer tile per KV head; dynamic schedule, longest first. Decode is memory-bound: the next chunk's
  * K/V are prefetched into L2 a few lines per compute step. Built at first use with the system C
- * compiler (native.py); OpenMP shares torch's runtime (same libgomp), so torch.set_num_threads governs it.
+ * compiler (kernels/build.py); OpenMP shares torch's runtime (same libgomp), so torch.set_num_threads governs it.
  */
 #include <math.h>
 #include <omp.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include "cobatch_kernels.h"
+
+#if HAVE_AVX512
 #include <immintrin.h>
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
 #endif
 #if HAVE_AVX512 && defined(__AVX512BF16__)
 #define HAVE_AVX512BF16 1
@@ -85,20 +82,6 @@ typedef struct {
 } Attn;
 
 typedef struct { int64_t seq, first, num_tokens, context; } Tile;  /* one row of `tiles` */
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, like torch */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* Cache row indices (slot * num_kv_heads + h) of keys c0 .. c0 + n - 1: one division per chunk, not
  * one per key. */

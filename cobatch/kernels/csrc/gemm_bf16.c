@@ -2,7 +2,7 @@
  *
  * Why: one kernel for every M, decode (M = 1..64, weights streamed from DRAM once per step) and prefill
  * (M in the thousands, compute-bound), at the machine's limit in both. The weight is repacked once at
- * load time (models/linear.py, plain torch) into blocks of B panels of 16 output columns whose K pairs
+ * load time (kernels/linear.py, plain torch) into blocks of B panels of 16 output columns whose K pairs
  * interleave:
  *
  *     packed[b][kk][c][t] = W[16 B b + c][2 kk + t]    (b < N/16B, kk < K/2, c < 16 B, t < 2)
@@ -26,14 +26,9 @@
  * Numerics: each output is summed over K pairs in order, in fp32 (vdpbf16ps: denormal inputs and products
  * flush to zero), then rounded once to bf16 (nearest even, NaN kept, as torch does). The order does not
  * depend on M, the tiling or the thread count: a row's bits do not depend on its batch.
- * Built by native.py (-march=native; without AVX512-BF16 a stub reports itself unavailable).
+ * Built by kernels/build.py (-march=native; without AVX512-BF16 a stub reports itself unavailable).
  */
-#include <stdint.h>
-#include <string.h>
-
-/* The activation gemm_bf16_silu applies to its tiles: fused_ops.c's silu_mul_rows_bf16. */
-typedef void (*ActRowsFn)(const void *gate, const void *up, void *out, int64_t rows, int64_t width,
-                          int64_t in_stride, int64_t out_stride);
+#include "cobatch_kernels.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -252,14 +247,13 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
 /* The MLP's gate/up projection with its activation fused: act[M, inter] = silu(x Wg^T) * (x Wu^T), where the
  * packed weight holds gate and up columns in alternating groups (linear.py, pack_gate_up: group 2j = gate
  * columns 16 NZ j.., group 2j + 1 = the same up columns; inter % (16 NZ) == 0). Each task computes one
- * such pair for up to MC rows into two small buffers, rounded to bf16 as gemm_bf16 rounds, and `act_rows`
- * (fused_ops.c's silu_mul_rows_bf16) turns them into its slice of act: the same bits as gemm_bf16 then
+ * such pair for up to MC rows into two small buffers, rounded to bf16 as gemm_bf16 rounds, and fused_ops.c's
+ * silu_mul_rows_bf16 turns them into its slice of act: the same bits as gemm_bf16 then
  * silu_mul. Why: a prefill step's [M, 2 inter] gate/up output (12.5 MB at 2k tokens here) is no longer
  * written out and read back; each slice is consumed from L1/L2 while hot. Returns 0, or -2 on a bad shape. */
-int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K, int num_threads,
-                   ActRowsFn act_rows) {
+int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K, int num_threads) {
     const int64_t N = 2 * inter, width = NZ * NR;
-    if (inter % width != 0 || K % 2 != 0 || M <= 0 || act_rows == NULL) return -2;
+    if (inter % width != 0 || K % 2 != 0 || M <= 0) return -2;
     const int64_t pairs = inter / width, chunks = (M + MC - 1) / MC, tasks = pairs * chunks;
     int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
     const int prefetch = PF_AHEAD > 0 && M >= PF_MIN_M, to_l2 = M < PF_L1_MIN_M;
@@ -286,7 +280,7 @@ int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t 
             const uint16_t *xs = (const uint16_t *)x + m0 * K;
             group_rows(xs, wp, NULL, gate, width, rows, N, K, 2 * j, next[0], to_l2, prefetch);
             group_rows(xs, wp, NULL, up, width, rows, N, K, 2 * j + 1, next[1], to_l2, prefetch);
-            act_rows(gate, up, (uint16_t *)act + m0 * inter + j * width, rows, width, width, inter);
+            silu_mul_rows_bf16(gate, up, (uint16_t *)act + m0 * inter + j * width, rows, width, width, inter);
         }
     }
     return 0;
@@ -317,9 +311,8 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
     return -1;
 }
 
-int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K, int num_threads,
-                   ActRowsFn act_rows) {
-    (void)x, (void)wp, (void)act, (void)M, (void)inter, (void)K, (void)num_threads, (void)act_rows;
+int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K, int num_threads) {
+    (void)x, (void)wp, (void)act, (void)M, (void)inter, (void)K, (void)num_threads;
     return -1;
 }
 

@@ -9,28 +9,13 @@
  * but for the fp32 summation order inside the norm, a rare last-bit tie of the exponential and
  * denormal results (AVX-512 path, below).
  *
- * Layouts: row-major, contiguous rows; dtype flag is_bf16 (else fp32). Built by native.py.
+ * Layouts: row-major, contiguous rows; dtype flag is_bf16 (else fp32). Built by kernels/build.py.
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "cobatch_kernels.h"
 
 #define ROPE_MAX_HALF 256  /* head_dim <= 512; fused_ops.py falls back to torch beyond */
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept NaN, like torch */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* Value i of a row as fp32, and storing one rounded to the row's dtype. */
 static inline float load(const void *p, int64_t i, int is_bf16) {
@@ -46,7 +31,7 @@ static inline void store(void *p, int64_t i, float v, int is_bf16) {
 static inline float round_to(float v, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 /* exp(x) for SiLU, written so the compiler vectorises it (libm's expf is a scalar call here: no
- * -ffast-math, see native.py): 2^k * 2^f with k = rint(x log2 e), |f| <= 1/2, and a degree-7 Taylor
+ * -ffast-math, see kernels/build.py): 2^k * 2^f with k = rint(x log2 e), |f| <= 1/2, and a degree-7 Taylor
  * polynomial of 2^f (relative error ~5e-9, below fp32's 6e-8). Inputs are clamped to fp32's range. */
 static inline float exp_vec(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
@@ -70,9 +55,8 @@ static inline float exp_vec(float x) {
  * rounds; the exponential uses fused multiply-adds, so it can differ from exp_vec in the last bit, and
  * a result from the scalar path by one ulp of bf16 when that bit decides a tie (tests/test_fused_ops.py
  * allows that). */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if HAVE_AVX512  /* 16-lane rows: these two helpers (and greedy's argmax, below) */
 #include <immintrin.h>
-#define HAVE_AVX512 1  /* 16-lane rows: these two helpers (and greedy's argmax, below) */
 
 /* The lanes of the last, partial vector of a row with `left` values to go. */
 static inline __mmask16 tail_mask(int64_t left) {
@@ -82,8 +66,6 @@ static inline __mmask16 tail_mask(int64_t left) {
 static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
-#else
-#define HAVE_AVX512 0
 #endif
 
 #if HAVE_AVX512 && defined(__AVX512BF16__) && defined(__AVX512VL__)

@@ -13,11 +13,10 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from cobatch.models.native import load_library
+from cobatch.kernels.bindings import load_kernels
 
 _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ROPE_MAX_HEAD_DIM = 512  # ROPE_MAX_HALF in csrc/fused_ops.c
-_I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,14 +45,8 @@ class FusedOps:
     eager torch."""
 
     def __init__(self, lib: ctypes.CDLL | None) -> None:
+        """lib: the kernels library, bound (bindings.load_kernels); None: eager torch only."""
         self._lib = lib
-        if lib is not None:
-            lib.add_rms_norm.argtypes = [_PTR] * 4 + [_I64, _I64, _FLOAT, _INT]
-            lib.silu_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
-            lib.rope_inplace.argtypes = [_PTR] * 4 + [_I64] * 4 + [_INT]
-            lib.argmax_rows.argtypes = [_PTR, _I64, _I64, _INT, _PTR, _PTR]
-            for fn in (lib.add_rms_norm, lib.silu_mul, lib.rope_inplace, lib.argmax_rows):
-                fn.restype = None
 
     @property
     def native(self) -> bool:
@@ -112,8 +105,8 @@ class FusedOps:
 
 @lru_cache(maxsize=1)
 def fused_ops() -> FusedOps:
-    """The process's fused ops: native when csrc/fused_ops.c builds here, eager torch otherwise."""
-    return FusedOps(load_library("fused_ops"))
+    """The process's fused ops: native when the kernels library builds here, eager torch otherwise."""
+    return FusedOps(load_kernels())
 
 
 EAGER = FusedOps(None)  # the pure-torch path (tests, A/B)

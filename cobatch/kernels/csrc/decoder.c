@@ -1,0 +1,123 @@
+/* The decoder layers of one step in one native call: the same kernels, in the same order, with the same
+ * arguments as models/llama.py's layer-by-layer path (which stays: fp32, the profiler's labelled parts,
+ * other devices), so the two give the same bits.
+ *
+ * Why: a decode step's kernels are small: at batch 1 the layer loop made ~15 Python/torch calls per layer
+ * (wrappers, views, output allocations, the K/V index copies), ~3-4 ms per step against ~8 ms of weight
+ * streaming (measured: B=1 10.8 -> 8.1 ms). Here the loop is C; the activations live in buffers the caller
+ * keeps across steps.
+ *
+ * The kernels are the library's own (gemm_bf16.c, fused_ops.c, paged_attention.c), called through
+ * cobatch_kernels.h, which also declares the structs below (Shape, Layer, Step, Buffers).
+ *
+ * Per layer, with x the previous layer's MLP output and residual the running sum (layer 0: residual holds
+ * the embeddings and there is no x):
+ *   h = add_rms_norm(x, residual += x, input_norm)      qkv = h @ Wqkv (+ b)    RoPE on q, k in place
+ *   K/V of the new tokens -> cache slots                 attn = paged_attention(q; cache)
+ *   x = attn @ Wo (+ b)                                  h = add_rms_norm(x, residual += x, post_norm)
+ *   gate_up = h @ Wgu                                    act = silu(gate) * up        x = act @ Wdown
+ * (with a gate/up-packed Wgu, fused_mlp: act straight from h in one kernel, gemm_bf16_silu, same bits).
+ * After the last layer: residual += x and the final norm, one fused op, into `out` (the model's final hidden
+ * states, which lm_head reads): in C, right after the loop, rather than as a torch op after the call, where
+ * every small op ran with cold caches (~0.1 ms a decode step).
+ */
+#include "cobatch_kernels.h"
+
+/* Wall time per kernel, summed over layers and calls, when built with -DKERNEL_TIMERS (NativeDecoder.
+ * with_timers does, for `bench steps --profile` and scripts/kernel_timers.py: the torch profiler would
+ * see only the Python layer loop). Compiled out otherwise. kernel_seconds: norm, qkv, rope, write_kv,
+ * attention (with the last layer's gather of the kept rows), o_proj, post-attention norm, gate/up (with
+ * SiLU), down: kernels/decoder.py's KERNEL_TIMERS. */
+#ifdef KERNEL_TIMERS
+#include <omp.h>
+double kernel_seconds[9];
+static double timer_last;
+#define TIMER_START() (timer_last = omp_get_wtime())
+#define TIMER(i)                                                   \
+    do {                                                           \
+        double now_ = omp_get_wtime();                             \
+        kernel_seconds[i] += now_ - timer_last, timer_last = now_; \
+    } while (0)
+#else
+#define TIMER_START() ((void)0)
+#define TIMER(i) ((void)0)
+#endif
+
+/* dst[i] = src[rows[i]] for n rows of `width` bf16 values. */
+static void gather_rows(void *dst, const void *src, const int64_t *rows, int64_t n, int64_t width) {
+    for (int64_t i = 0; i < n; i++)
+        memcpy((uint16_t *)dst + i * width, (const uint16_t *)src + rows[i] * width, sizeof(uint16_t) * width);
+}
+
+/* One layer; returns 0 or the failing kernel's status. `last` with st->keep: only the kept rows past the
+ * K/V write (their q and residual gathered first). */
+static int layer_forward(const Shape *s, const Layer *l, const Step *st, const Buffers *b, int first, int last,
+                         int threads) {
+    const int64_t H = s->hidden, nh = s->num_heads, kvh = s->num_kv_heads, hd = s->head_dim;
+    const int64_t qkv_width = (nh + 2 * kvh) * hd;
+    int64_t T = st->num_tokens;
+    int status;
+    add_rms_norm(first ? NULL : b->x, b->residual, l->input_norm, b->h, T, H, s->eps, 1);
+    TIMER(0);
+    if ((status = gemm_bf16(b->h, l->qkv, l->qkv_bias, b->qkv, T, qkv_width, H, threads))) return status;
+    TIMER(1);
+    rope_inplace(b->qkv, st->cos, st->sin, st->positions, T, qkv_width, nh + kvh, hd, 1);
+    TIMER(2);
+    const int64_t q_width = nh * hd;  /* K and V: the columns of qkv after q */
+    /* The first num_own_writes tokens (one-token rows: decode) have the attention kernel write their K/V
+     * just before it reads them (paged_attention.c, write_own_key); the others are written here. Not in
+     * the last layer's kept-rows call, whose tiles and q rows are the kept ones. */
+    const int64_t own = last && st->keep != NULL ? 0 : st->num_own_writes;
+    const uint16_t *k_rows = (const uint16_t *)b->qkv + own * qkv_width + q_width;
+    paged_write_kv_bf16(k_rows, qkv_width, k_rows + kvh * hd, qkv_width, l->k_cache, l->v_cache,
+                        st->slot_mapping + own, T - own, (int)kvh, (int)hd, (int)s->block_size);
+    TIMER(3);
+    const void *q = b->qkv;
+    const int64_t *tiles = st->tiles;
+    int64_t num_tiles = st->num_tiles;
+    void *residual = b->residual;
+    if (last && st->keep != NULL) {
+        T = st->num_keep;
+        if (T == 0) return 0;
+        gather_rows(b->q_keep, b->qkv, st->keep, T, qkv_width);
+        gather_rows(b->residual_keep, b->residual, st->keep, T, H);
+        q = b->q_keep, tiles = st->keep_tiles, num_tiles = T, residual = b->residual_keep;
+    }
+    if ((status = paged_attention_bf16(q, qkv_width, l->k_cache, l->v_cache, st->block_tables, st->max_blocks,
+                                       tiles, (int)num_tiles, b->attn, (int)nh, (int)kvh, (int)hd,
+                                       (int)s->block_size, s->scale, own)))
+        return status;
+    TIMER(4);
+    if ((status = gemm_bf16(b->attn, l->o, l->o_bias, b->x, T, H, nh * hd, threads))) return status;
+    TIMER(5);
+    add_rms_norm(b->x, residual, l->post_norm, b->h, T, H, s->eps, 1);
+    TIMER(6);
+    if (s->fused_mlp) {
+        if ((status = gemm_bf16_silu(b->h, l->gate_up, b->act, T, s->inter, H, threads))) return status;
+    } else {
+        if ((status = gemm_bf16(b->h, l->gate_up, NULL, b->gate_up, T, 2 * s->inter, H, threads))) return status;
+        silu_mul(b->gate_up, b->act, T, s->inter, 1);
+    }
+    TIMER(7);
+    status = gemm_bf16(b->act, l->down, NULL, b->x, T, H, s->inter, threads);
+    TIMER(8);
+    return status;
+}
+
+/* All layers of one step (bf16), then the final norm (its weight: final_norm) into b->out. Returns 0, or
+ * the status of the first failing kernel (paged attention: -1 out of memory for its scratch; gemm_bf16:
+ * -2 bad shape, which packed weights rule out). */
+int decoder_forward(const Shape *s, const Layer *layers, int num_layers, const void *final_norm,
+                    const Step *st, const Buffers *b, int threads) {
+    if (st->num_tokens <= 0) return 0;
+    TIMER_START();
+    for (int i = 0; i < num_layers; i++) {
+        int status = layer_forward(s, &layers[i], st, b, i == 0, i == num_layers - 1, threads);
+        if (status) return status;
+    }
+    const int keep = st->keep != NULL;
+    add_rms_norm(num_layers > 0 ? b->x : NULL, keep ? b->residual_keep : b->residual, final_norm, b->out,
+                 keep ? st->num_keep : st->num_tokens, s->hidden, s->eps, 1);
+    TIMER(0);  /* with the layers' input norms */
+    return 0;
+}

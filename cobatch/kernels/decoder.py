@@ -1,0 +1,188 @@
+"""All decoder layers of a step in one native call (csrc/decoder.c), for bf16 models on packed weights.
+
+The C loop calls the same kernels as the model's layer-by-layer Python path (models/llama.py), in the same
+order, so both give the same bits (tests compare them); it only removes the per-layer Python and torch
+dispatch that dominated small decode steps. It knows no model class: the caller hands it the weights and
+shape (`DecoderWeights`; the runner builds them from the model it holds). `NativeDecoder.build` returns
+None where any piece is missing (fp32, a weight left unpacked, no compiler, COBATCH_NO_NATIVE=1): the
+model then runs its Python loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from cobatch.kernels.attention import load_attention_kernel
+from cobatch.kernels.bindings import KERNEL_TIMERS, Buffers, Layer, Shape, Step, kernel_seconds, load_kernels
+from cobatch.kernels.fused_ops import fused_ops
+from cobatch.kernels.linear import is_gate_up_packed, is_packed, native_gemm
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+class PagedMetadata(Protocol):
+    """What the C loop reads of a step's attention metadata (models/attention.py's AttentionMetadata)."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor | None  # [R, max_blocks] int64
+    tiles: torch.Tensor | None  # [N, 4] int64
+    num_own_writes: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One decoder layer's tensors as the C loop reads them (bf16; projections packed by kernels/linear.py)."""
+
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # rows q | k | v
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # rows gate | up (pack_weight), or pack_gate_up's layout
+    down: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderWeights:
+    """A decoder stack's tensors and shape. Their owner must not repack or replace them while a
+    NativeDecoder holds their addresses."""
+
+    layers: tuple[LayerWeights, ...]
+    final_norm: torch.Tensor  # [H]
+    rope_cos: torch.Tensor  # [max_pos, hd / 2]
+    rope_sin: torch.Tensor  # [max_pos, hd / 2]
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+
+    @property
+    def qkv_size(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _gate_up_layout(weight: torch.Tensor) -> str | None:
+    return "fused" if is_gate_up_packed(weight) else "packed" if is_packed(weight) else None
+
+
+def can_run(weights: DecoderWeights) -> bool:
+    """bf16, every projection packed (gate/up the same way in all layers) and every kernel built here."""
+    projections = [w for layer in weights.layers for w in (layer.qkv, layer.o, layer.down)]
+    gate_up_layouts = {_gate_up_layout(layer.gate_up) for layer in weights.layers}
+    return (weights.final_norm.dtype == torch.bfloat16 and all(is_packed(w) for w in projections)
+            and gate_up_layouts in ({"fused"}, {"packed"})
+            and fused_ops().native and native_gemm() is not None and load_attention_kernel() is not None)
+
+
+class NativeDecoder:
+    """The decoder stack of one model as one C call per step; holds its weights' pointers."""
+
+    def __init__(self, weights: DecoderWeights, lib: ctypes.CDLL) -> None:
+        w = weights
+        self._weights, self._lib = w, lib
+        fused_mlp = is_gate_up_packed(w.layers[0].gate_up)  # can_run checked all layers agree
+        self._shape = Shape(w.hidden_size, w.intermediate_size, w.num_heads, w.num_kv_heads, w.head_dim, 0,
+                            int(fused_mlp), w.rms_norm_eps, w.head_dim ** -0.5)
+        self._layers = (Layer * len(w.layers))(*(
+            Layer(*(_ptr(t) for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.o_bias,
+                                      layer.post_norm, layer.gate_up, layer.down)), None, None)
+            for layer in w.layers))
+        self._bound_caches: Sequence[KVCache] | None = None
+        self._scratch = torch.empty(0, dtype=torch.bfloat16)  # the per-step activations (_workspace)
+
+    @classmethod
+    def build(cls, weights: DecoderWeights) -> NativeDecoder | None:
+        """The native stack over `weights`, or None when it cannot run them (see the module docstring)."""
+        lib = load_kernels() if can_run(weights) else None
+        return None if lib is None else cls(weights, lib)
+
+    def with_timers(self) -> NativeDecoder | None:
+        """A twin on the library built with -DKERNEL_TIMERS (its own cached build): the same kernels and
+        bits, plus each kernel's wall time (take_kernel_seconds). None where that build fails."""
+        lib = load_kernels(timers=True)
+        return None if lib is None else NativeDecoder(self._weights, lib)
+
+    def take_kernel_seconds(self) -> dict[str, float]:
+        """Seconds per kernel (KERNEL_TIMERS), summed over layers and calls since the last take, which
+        zeroes them (the sums are the library's, shared by its decoders); empty without timers."""
+        sums = kernel_seconds(self._lib)
+        if sums is None:  # the engine's build
+            return {}
+        taken = dict(zip(KERNEL_TIMERS, sums))
+        ctypes.memset(sums, 0, ctypes.sizeof(sums))
+        return taken
+
+    def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata,
+                 kv_caches: Sequence[KVCache], keep: torch.Tensor | None = None,
+                 keep_tiles: torch.Tensor | None = None) -> torch.Tensor:
+        """embeddings [T, H] (overwritten), positions [T] -> the final hidden states (after the final norm)
+        of the rows `keep` [R] (all rows, in order, when None). With keep, keep_tiles ([R, 4]: one attention
+        tile per kept row, see csrc/cobatch_kernels.h, Step) lets the last layer compute only those rows past
+        its K/V write."""
+        assert meta.block_tables is not None and meta.tiles is not None, "needs the native attention's metadata"
+        if keep is not None and keep_tiles is None:
+            raise ValueError("keep needs keep_tiles: the rows' last-layer attention tiles")
+        self._bind_caches(kv_caches)
+        w, num_tokens = self._weights, embeddings.shape[0]
+        prune = keep is not None
+        num_keep = len(keep) if prune else 0
+        residual, positions = embeddings.contiguous(), positions.contiguous()
+        x, *scratch = self._workspace(num_tokens)
+        buffers = [residual, x, *scratch] + [residual.new_empty(num_keep, width)
+                                            for width in (w.hidden_size, w.qkv_size)]
+        out = residual.new_empty(num_keep if prune else num_tokens, w.hidden_size)
+        # Every tensor whose address C gets stays referenced here until the call returns.
+        block_tables, tiles = meta.block_tables.contiguous(), meta.tiles.contiguous()
+        slot_mapping = meta.slot_mapping.contiguous()
+        kept = [keep.contiguous(), keep_tiles.contiguous()] if prune else [None, None]
+        step = Step(num_tokens, block_tables.shape[1], tiles.shape[0], num_keep, meta.num_own_writes,
+                    positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), tiles.data_ptr(),
+                    *(_ptr(t) for t in kept), w.rope_cos.data_ptr(), w.rope_sin.data_ptr())
+        status = self._lib.decoder_forward(self._shape, self._layers, len(self._layers), w.final_norm.data_ptr(),
+                                           step, Buffers(*(b.data_ptr() for b in [*buffers, out])),
+                                           torch.get_num_threads())
+        if status == -1:
+            raise MemoryError("native attention could not allocate its scratch buffers")
+        if status != 0:
+            raise RuntimeError(f"native decoder failed with status {status}")
+        return out
+
+    def _workspace(self, num_tokens: int) -> list[torch.Tensor]:
+        """x, h, qkv, attn, gate_up, act for num_tokens rows: views of one buffer kept across steps and
+        grown on demand (a 2k-token prefill step's ~30 MB would otherwise be mapped and faulted in anew
+        every step). Each view starts on a 64-byte boundary. Nothing returned to the caller lives here."""
+        w = self._weights
+        gate_up = 0 if self._shape.fused_mlp else 2 * w.intermediate_size  # fused: never materialized
+        widths = (w.hidden_size, w.hidden_size, w.qkv_size, w.num_heads * w.head_dim, gate_up, w.intermediate_size)
+        sizes = [-(-num_tokens * width // 32) * 32 for width in widths]  # whole 64-byte lines of bf16
+        if self._scratch.numel() < sum(sizes):
+            self._scratch = torch.empty(sum(sizes) + 32, dtype=torch.bfloat16)
+        base = (-self._scratch.data_ptr() // 2) % 32  # elements to the first 64-byte boundary
+        views = []
+        for width, size in zip(widths, sizes):
+            views.append(self._scratch[base:base + num_tokens * width].view(num_tokens, width))
+            base += size
+        return views
+
+    def _bind_caches(self, kv_caches: Sequence[KVCache]) -> None:
+        """Point the layers at this KV cache. The runner passes the same list of never-moving tensors every
+        step, so one identity check per step suffices (the list is kept, so its id is never reused)."""
+        if kv_caches is self._bound_caches:
+            return
+        assert len(kv_caches) == len(self._layers) and all(
+            t.is_contiguous() and t.dtype == torch.bfloat16 for kv in kv_caches for t in kv)
+        for layer, (k, v) in zip(self._layers, kv_caches):
+            layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
+        self._shape.block_size = kv_caches[0][0].shape[1]
+        self._bound_caches = kv_caches
