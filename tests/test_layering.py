@@ -14,6 +14,8 @@ CORE = {"cobatch.request", "cobatch.block_manager", "cobatch.scheduler", "cobatc
 CONTRACTS = {"cobatch.config", "cobatch.sampling_params", "cobatch.scheduler_output", "cobatch.outputs"}
 # Test scaffolding (DESIGN.md §2): only `serve --enable-fault-injection` wires it into production code.
 TESTING = "cobatch.testing"
+# The kernels wing (DESIGN.md §2): models and the runner build on it; it imports nothing else of cobatch.
+KERNELS = "cobatch.kernels"
 WIRES_IN_TESTING = {"cobatch.server.cli"}
 
 # module (or package prefix) -> imports it must not make (a prefix forbids the whole package)
@@ -30,12 +32,13 @@ FORBIDDEN: dict[str, set[str]] = {
                        "cobatch.server", "cobatch.request"},
     "cobatch.models": {"cobatch.scheduler", "cobatch.block_manager", "cobatch.engine",
                        "cobatch.server", "cobatch.request"},
+    "cobatch.models.llama": {"cobatch.kernels.decoder", "cobatch.runner"},  # the runner picks the layer loop
     "cobatch.engine": {"cobatch.server"},
     "cobatch.llm": {"cobatch.server", "cobatch.request"},
     "cobatch.async_engine": {"cobatch.server"},
     "cobatch.server": {"cobatch.scheduler", "cobatch.runner", "cobatch.block_manager",
                        "cobatch.models.llama", "cobatch.models.attention", "cobatch.models.loader",
-                       "cobatch.engine", "cobatch.request", "torch"},
+                       "cobatch.engine", "cobatch.request", "torch", KERNELS},
     "cobatch.testing": {"cobatch.server"},
     "cobatch.bench.serve": {"cobatch.engine", "cobatch.scheduler", "cobatch.runner", "torch"},
     "cobatch.config_cli": {"torch", "cobatch.engine", "cobatch.runner", "cobatch.models", "cobatch.server",
@@ -93,6 +96,12 @@ def test_production_code_does_not_import_the_testing_package() -> None:
     importers = {module_name(p) for p in MODULES if not violates(module_name(p), TESTING)
                  and any(violates(name, TESTING) for name in imports_of(p))}
     assert importers <= WIRES_IN_TESTING, f"{sorted(importers - WIRES_IN_TESTING)} import {TESTING}"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "kernels").rglob("*.py")), ids=lambda p: module_name(p))
+def test_kernels_import_nothing_else_of_cobatch(path: Path) -> None:
+    outside = sorted(name for name in imports_of(path) if violates(name, "cobatch") and not violates(name, KERNELS))
+    assert not outside, f"{module_name(path)} imports {outside}: the kernels wing stands alone"
 
 
 def _path_of(module: str) -> Path | None:
