@@ -9,6 +9,9 @@ import torch
 
 from cobatch.kernels.bindings import load_kernels
 
+# One layer's K and V: [num_blocks, block_size, num_kv_heads, head_dim] each, in the kernel's element order
+# inside a block on its AVX-512 path (csrc/paged_attention.c).
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class AttentionKernel:
     """Paged attention over a ragged batch for fp32 and bf16 caches (csrc/paged_attention.c: layouts).

@@ -16,12 +16,10 @@ from typing import Protocol, Sequence
 
 import torch
 
-from cobatch.kernels.attention import load_attention_kernel
+from cobatch.kernels.attention import KVCache, load_attention_kernel
 from cobatch.kernels.bindings import KERNEL_TIMERS, Buffers, Layer, Shape, Step, kernel_seconds, load_kernels
 from cobatch.kernels.fused_ops import fused_ops
 from cobatch.kernels.linear import is_gate_up_packed, is_packed, native_gemm
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, num_kv_heads, head_dim]
 
 
 class PagedMetadata(Protocol):

@@ -17,14 +17,13 @@ from typing import ContextManager, Protocol, Sequence
 import torch
 from torch import nn
 
+from cobatch.kernels.attention import KVCache
 from cobatch.kernels.fused_ops import FusedOps, fused_ops
 from cobatch.kernels.hugepages import move_to_huge_pages
 from cobatch.kernels.linear import (can_pack, can_pack_gate_up, embedding, is_gate_up_packed, linear, pack_gate_up,
                                     pack_weight, silu_mul_linear)
 from cobatch.models.attention import AttentionMetadata, paged_attention
 from cobatch.models.model_config import ModelConfig, RopeScaling
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, num_kv_heads, head_dim] (attention.py)
 
 
 class LayerLoop(Protocol):
