@@ -142,13 +142,24 @@ static void write_own_key(const Attn *a, const Tile *t, int h0, int h1, int fast
 
 /* ------------------------------------------------------------------------------------ generic path */
 
-/* x . y in 16 fixed lanes, then a fixed-order sum: the same bits wherever x and y sit (an auto-vectorized
- * reduction peels iterations by alignment, and the scratch rows' alignment depends on the tile). */
+/* 16 fp32 lanes as one value (GCC/clang vector extension): dot's accumulator. */
+typedef float Lanes __attribute__((vector_size(64)));
+
+/* x . y in 16 fixed lanes, then a fixed-order sum: the same bits wherever x and y sit. The lanes are one
+ * explicit vector: written as 16 scalar sums, -fassociative-math let the compiler vectorize across
+ * iterations, peeling them by alignment, and the scratch rows' alignment depends on the tile (a row's bits
+ * changed with the tiling at head_dim 40, 80, 128). */
 static inline float dot(const float *restrict x, const float *restrict y, int n) {
-    float part[16] = {0.0f}, sum = 0.0f;
+    Lanes acc = {0};
     int i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int l = 0; l < 16; l++) part[l] += x[i + l] * y[i + l];
+    for (; i + 16 <= n; i += 16) {
+        Lanes xv, yv;
+        memcpy(&xv, x + i, sizeof xv);
+        memcpy(&yv, y + i, sizeof yv);
+        acc += xv * yv;
+    }
+    float part[16], sum = 0.0f;
+    memcpy(part, &acc, sizeof part);
     for (; i < n; i++) part[i % 16] += x[i] * y[i];
     for (int l = 0; l < 16; l++) sum += part[l];
     return sum;
