@@ -75,6 +75,9 @@ class EngineSnapshot:
     scheduler: SchedulerStats = SchedulerStats()
     num_steps: int = 0
     num_adds_processed: int = 0
+    # The engine's fitted step-time models (cost_model features), all zero until each is ready.
+    step_coefficients: tuple[float, ...] = ()
+    decode_coefficients: tuple[float, ...] = ()
 
 
 # ---- inbox commands -------------------------------------------------------------------------------
@@ -283,6 +286,15 @@ class AsyncEngine:
         self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority, time.monotonic()))
         return stream
 
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     priority: int = 0) -> RequestStream:
+        """`add` in the server's EngineClient shape (a routed client picks a replica first)."""
+        return self.add(request_id, prompt_token_ids, params, priority)
+
+    async def render_metrics(self) -> tuple[bytes, str] | None:
+        """The Prometheus exposition of this engine's metrics (None without metrics)."""
+        return self.metrics.render() if self.metrics is not None else None
+
     def abort(self, request_id: str) -> None:
         """Abort a request if it is still live (client gone, drain timeout); no-op otherwise."""
         stream = self._streams.get(request_id)
@@ -442,7 +454,9 @@ class AsyncEngine:
 
 
 def _snapshot_of(engine: Engine, num_adds: int) -> EngineSnapshot:
-    return EngineSnapshot(engine.scheduler.stats(), engine.num_steps, num_adds)
+    return EngineSnapshot(engine.scheduler.stats(), engine.num_steps, num_adds,
+                          engine.step_time_model.fitted_coefficients,
+                          engine.decode_time_model.fitted_coefficients)
 
 
 def _info_of(engine: Engine) -> EngineInfo:

@@ -100,19 +100,7 @@ class Engine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request fits the model; return its resolved max_tokens. ValueError if not."""
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt must contain at least one token")
-        room = self.max_model_len - num_prompt
-        if room < 1:
-            raise ValueError(f"the prompt has {num_prompt} tokens; this model's maximum context "
-                             f"length is {self.max_model_len}, leaving no room to generate")
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                f"asks for {num_prompt + params.max_tokens} ({num_prompt} in the prompt, "
-                f"{params.max_tokens} to generate): lower max_tokens or the prompt")
-        return params.max_tokens if params.max_tokens is not None else room
+        return validate_request(prompt_token_ids, params, self.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None) -> list[str]:
@@ -159,6 +147,8 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """Run one iteration over the current batch; returns the deltas it produced."""
         start = time.monotonic()
+        # Before scheduling, so that no row is given to a request whose deadline has passed.
+        expired = self.scheduler.expire_deadlines(start)
         output = self.scheduler.schedule()
         scheduled = time.monotonic()
         predicted_s = self._predict(output)
@@ -171,6 +161,7 @@ class Engine:
             deltas = self.scheduler.fail_step(output, f"{type(exc).__name__}: {exc}")
         else:
             deltas = self.scheduler.update(output, runner_output)
+        deltas = expired + deltas
         end = time.monotonic()
         self._record(output, deltas, start, scheduled, end, predicted_s)
         self._forget_finished(deltas)
@@ -222,6 +213,26 @@ class Engine:
             prefix_cache_hit_rate=now.prefix_cache_hit_rate,
             row_request_ids=tuple(r.request_id for r in output.rows)))
         self.num_steps += 1
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int) -> int:
+    """Check a request fits a model of `max_model_len`; return its resolved max_tokens (ValueError if not).
+
+    Module-level so that a router in front of several engines checks exactly as each engine does.
+    """
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise ValueError("the prompt must contain at least one token")
+    room = max_model_len - num_prompt
+    if room < 1:
+        raise ValueError(f"the prompt has {num_prompt} tokens; this model's maximum context "
+                         f"length is {max_model_len}, leaving no room to generate")
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise ValueError(
+            f"this model's maximum context length is {max_model_len} tokens; the request "
+            f"asks for {num_prompt + params.max_tokens} ({num_prompt} in the prompt, "
+            f"{params.max_tokens} to generate): lower max_tokens or the prompt")
+    return params.max_tokens if params.max_tokens is not None else room
 
 
 def _shape(output: SchedulerOutput) -> tuple[int, int, int]:

@@ -1,7 +1,7 @@
 """Prometheus metrics (vLLM's names, `cobatch:` prefix) and the periodic throughput log line.
 
 Each EngineMetrics owns its CollectorRegistry, so two servers (or tests) in one process never share
-counters. It is fed on the event loop: per step from StepStats, per finished sequence from its
+counters; an engine replica behind the Ray ingress labels every sample with its replica name too. It is fed on the event loop: per step from StepStats, per finished sequence from its
 RequestDelta (RequestMetrics times are time.monotonic()).
 """
 
@@ -44,9 +44,12 @@ class StepStatsLike(Protocol):
 class EngineMetrics:
     """The server's Prometheus metrics, in a registry of its own."""
 
-    def __init__(self, model_name: str, log_interval_s: float = 5.0) -> None:
+    def __init__(self, model_name: str, log_interval_s: float = 5.0,
+                 replica: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        # Every sample's labels: the model, and the replica when several engines share one endpoint.
+        self._labels = {"model_name": model_name} | ({"replica": replica} if replica else {})
         self._build_gauges()
         self._build_counters()
         self._build_histograms()
@@ -55,16 +58,17 @@ class EngineMetrics:
     # ---- construction ----------------------------------------------------------------------------
 
     def _gauge(self, name: str, doc: str) -> Gauge:
-        gauge = Gauge(f"cobatch:{name}", doc, ["model_name"], registry=self.registry)
-        return gauge.labels(model_name=self.model_name)
+        gauge = Gauge(f"cobatch:{name}", doc, list(self._labels), registry=self.registry)
+        return gauge.labels(**self._labels)
 
     def _counter(self, name: str, doc: str) -> Counter:
-        counter = Counter(f"cobatch:{name}", doc, ["model_name"], registry=self.registry)
-        return counter.labels(model_name=self.model_name)
+        counter = Counter(f"cobatch:{name}", doc, list(self._labels), registry=self.registry)
+        return counter.labels(**self._labels)
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-        hist = Histogram(f"cobatch:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
-        return hist.labels(model_name=self.model_name)
+        hist = Histogram(f"cobatch:{name}", doc, list(self._labels), buckets=buckets,
+                         registry=self.registry)
+        return hist.labels(**self._labels)
 
     def _build_gauges(self) -> None:
         self.num_requests_running = self._gauge("num_requests_running", "Sequences in the running batch.")
@@ -88,7 +92,7 @@ class EngineMetrics:
             "spec_decode_num_accepted_tokens", "Speculative draft tokens the model agreed with.")
         self.request_success = Counter(
             "cobatch:request_success", "Finished sequences, by finish reason.",
-            ["model_name", "finished_reason"], registry=self.registry)
+            [*self._labels, "finished_reason"], registry=self.registry)
 
     def _build_histograms(self) -> None:
         h = self._histogram
@@ -143,7 +147,7 @@ class EngineMetrics:
 
     def record_finished(self, delta: RequestDelta) -> None:
         """Per-sequence timings and the finish reason, from its finishing delta."""
-        self.request_success.labels(model_name=self.model_name,
+        self.request_success.labels(**self._labels,
                                     finished_reason=delta.finish_reason or "unknown").inc()
         if delta.index == 0:  # n samples share one prompt: count it once
             self.prompt_tokens.inc(delta.num_prompt_tokens)

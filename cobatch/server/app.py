@@ -1,4 +1,4 @@
-"""create_app: the OpenAI-compatible HTTP API over an AsyncEngine."""
+"""create_app: the OpenAI-compatible HTTP API over an engine (an AsyncEngine, or replicas behind a router)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from cobatch.async_engine import AsyncEngine
+from cobatch.server.engine_client import EngineClient
 from cobatch.server.errors import APIError, bad_request, install_error_handlers
 from cobatch.server.frontdoor import ServingContext
 from cobatch.server.middleware import FrontDoorMiddleware
@@ -37,7 +37,7 @@ class FaultRequest(BaseModel):
     num_steps: int = Field(1, ge=1, le=1_000_000)
 
 
-def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings,
+def create_app(async_engine: EngineClient, tokenizer: Tokenizer, settings: ServerSettings,
                inject_fault: Callable[[str, float, int], None] | None = None) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine thread and stops it at shutdown.
 
@@ -111,9 +111,10 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         """Prometheus exposition."""
-        if ctx.async_engine.metrics is None:
+        rendered = await ctx.async_engine.render_metrics()
+        if rendered is None:
             return Response("", media_type="text/plain")
-        body, content_type = ctx.async_engine.metrics.render()
+        body, content_type = rendered
         return Response(body, media_type=content_type)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)

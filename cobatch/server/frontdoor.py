@@ -9,8 +9,10 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
-from cobatch.async_engine import AsyncEngine, EngineDeadError, EngineState, RequestStream
+from cobatch.async_engine import EngineDeadError, EngineState
 from cobatch.sampling_params import SamplingParams
+from cobatch.server.engine_client import (DeadlineUnreachableError, EngineClient,
+                                          EngineOverloadedError, OutputStream)
 from cobatch.server.errors import APIError, bad_request
 from cobatch.server.generation import GenerationTracker
 from cobatch.server.protocol import MAX_STOP_STRINGS, _SamplingRequest
@@ -35,7 +37,7 @@ class Submission:
     """An admitted request: its id, its output stream and the tracker that turns deltas into text."""
 
     request_id: str
-    stream: RequestStream
+    stream: OutputStream
     tracker: GenerationTracker
 
 
@@ -43,7 +45,7 @@ class Submission:
 class ServingContext:
     """What the handlers share: the engine, the tokenizer, the settings, a token-text cache."""
 
-    async_engine: AsyncEngine
+    async_engine: EngineClient
     tokenizer: Tokenizer
     settings: ServerSettings
     _token_text: dict[int, str] = field(default_factory=dict)
@@ -86,9 +88,8 @@ class ServingContext:
         """429 + Retry-After when the waiting queue is at its bound."""
         bound = self.settings.max_queued_requests
         if bound is not None and self.async_engine.num_queued_requests >= bound:
-            raise APIError(429, f"the server is overloaded: {bound} requests are already waiting; "
-                           "retry later", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(self.settings.retry_after_s)})
+            raise overloaded(f"the server is overloaded: {bound} requests are already waiting; "
+                             "retry later", self.settings.retry_after_s)
 
     # ---- building --------------------------------------------------------------------------------
 
@@ -138,8 +139,8 @@ class ServingContext:
 
     # ---- submit ----------------------------------------------------------------------------------
 
-    def submit(self, prefix: str, prompt_token_ids: list[int], params: SamplingParams,
-               priority: int, user: str | None) -> Submission:
+    async def submit(self, prefix: str, prompt_token_ids: list[int], params: SamplingParams,
+                     priority: int, user: str | None) -> Submission:
         """Length check, queue bound, then hand the request to the engine (joins its next step)."""
         self.check_available()
         self.check_token_ids(prompt_token_ids, "prompt")
@@ -152,15 +153,25 @@ class ServingContext:
         self.check_queue()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            stream = self.async_engine.add(request_id, prompt_token_ids, params, priority)
+            stream = await self.async_engine.submit(request_id, prompt_token_ids, params, priority)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="service_unavailable") from exc
+        except EngineOverloadedError as exc:  # a routed engine: every replica's queue is full
+            raise overloaded(str(exc), exc.retry_after_s) from exc
+        except DeadlineUnreachableError as exc:  # refused before any prefill
+            raise APIError(503, str(exc), param="deadline_ms", code="deadline_unreachable") from exc
         logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, user=%s", request_id,
                     len(prompt_token_ids), params.n, params.max_tokens,
                     escape_for_log(user) if user else "-")
         logger.debug("request %s: %s", request_id, escape_for_log(params, limit=_LOG_PARAMS_MAX))
         tracker = GenerationTracker(self.async_engine, self.tokenizer, prompt_token_ids, params)
         return Submission(request_id, stream, tracker)
+
+
+def overloaded(message: str, retry_after_s: int) -> APIError:
+    """The 429 + Retry-After of a full queue."""
+    return APIError(429, message, code="rate_limit_exceeded",
+                    headers={"Retry-After": str(retry_after_s)})
 
 
 def _or(value: float | int | None, default: float | int) -> float | int:

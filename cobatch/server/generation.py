@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from cobatch.async_engine import AsyncEngine, RequestStream
 from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import TokenLogprobs
+from cobatch.server.engine_client import EngineClient, OutputStream
 from cobatch.server.protocol import Usage
 from cobatch.tokenizer import TextStream, Tokenizer
 
@@ -30,7 +30,7 @@ class ChoiceUpdate:
 class GenerationTracker:
     """Per-request state: one text stream per choice, and the usage counts."""
 
-    async_engine: AsyncEngine
+    async_engine: EngineClient
     tokenizer: Tokenizer
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -62,7 +62,7 @@ class GenerationTracker:
                             tuple(delta.new_logprobs), text.finish_reason, text.stop_reason)
 
 
-async def choice_updates(async_engine: AsyncEngine, request_id: str, stream: RequestStream,
+async def choice_updates(async_engine: EngineClient, request_id: str, stream: OutputStream,
                          tracker: GenerationTracker) -> AsyncIterator[ChoiceUpdate]:
     """The request's choice updates; aborts the request if the consumer leaves early."""
     try:

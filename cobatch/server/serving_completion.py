@@ -43,7 +43,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     _check_unsupported(req)
     prompt_ids, prompt_text = _prompt(ctx, req)
     params = ctx.sampling_params(req, req.max_tokens, req.logprobs)
-    sub = ctx.submit("cmpl", prompt_ids, params, req.priority, req.user)
+    sub = await ctx.submit("cmpl", prompt_ids, params, req.priority, req.user)
     echo = prompt_text if req.echo else None
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage

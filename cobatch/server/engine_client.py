@@ -1,0 +1,67 @@
+"""What the HTTP server needs of an engine: AsyncEngine's interface, as a Protocol.
+
+A single `cobatch serve` passes its AsyncEngine; the Ray ingress (cobatch/ray) passes a client that
+routes each request to one of several engine replicas. The server is written against this shape
+only, so both get the same endpoints, errors, /metrics and /health.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from cobatch.async_engine import EngineInfo, EngineState
+from cobatch.outputs import RequestDelta
+from cobatch.sampling_params import SamplingParams
+
+
+class EngineOverloadedError(RuntimeError):
+    """No engine can take the request now (every queue is at its bound): the client retries later."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineUnreachableError(RuntimeError):
+    """No engine is predicted to start the request within its deadline: refused before any prefill."""
+
+
+class OutputStream(Protocol):
+    """A request's deltas (all its n sequences) until each has finished."""
+
+    def __aiter__(self) -> AsyncIterator[RequestDelta]: ...
+
+
+class EngineClient(Protocol):
+    """The engine as the server sees it (AsyncEngine, or a router over replicas)."""
+
+    state: EngineState
+    info: EngineInfo | None
+
+    @property
+    def is_started(self) -> bool: ...
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    @property
+    def is_stalled(self) -> bool: ...
+
+    @property
+    def num_queued_requests(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int: ...
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     priority: int = 0) -> OutputStream: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stop_sequence(self, seq_id: str, stop_reason: str) -> None: ...
+
+    async def render_metrics(self) -> tuple[bytes, str] | None: ...
