@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from cobatch.outputs import RequestDelta
@@ -121,3 +123,106 @@ def test_text_stream_keeps_the_stop_string_when_asked_and_finishing(tok: Tokeniz
     stream = TextStream(tok, SamplingParams(stop=["END"], include_stop_str_in_output=True), [])
     text = stream.add(_delta(tok.encode("a END b", add_special_tokens=False), "length"))
     assert text == TextDelta("a END", "stop", "END")  # the engine finished anyway: nothing to stop
+
+
+# ---- the GGUF tokenizer against the GGUF's own vocabulary ----------------------------------------
+# transformers builds the default model's tokenizer from the GGUF file (pyproject.toml's lower bound
+# of transformers rests on this): checked against a byte-level BPE written here from the file's own
+# tokens and merges, and the chat template rendered from the file's own template string.
+
+GGUF_STRINGS = ["Hello world", "  two  spaces\tand\nnew lines ", "naïve café — ok 🤗 世界",
+                "x=3.14159; in 2024 we'll see", "<|im_start|>user\nhi<|im_end|>\n"]
+# llama.cpp's "smollm" pre-tokenizer: digits one by one, then GPT-2's split
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_CONTROL = 3  # gguf token_type of a special (control) token
+
+
+@dataclass(frozen=True)
+class GGUFVocab:
+    """The tokenizer as the GGUF file spells it."""
+
+    ids: dict[str, int]
+    merge_ranks: dict[tuple[str, str], int]
+    control_tokens: tuple[str, ...]
+    chat_template: str
+    eos_token_id: int
+
+
+@pytest.fixture(scope="module")
+def gguf_vocab() -> GGUFVocab:
+    import gguf
+
+    from cobatch.models.paths import resolve_model_path
+
+    fields = gguf.GGUFReader(resolve_model_path(None)).fields
+    tokens = list(fields["tokenizer.ggml.tokens"].contents())
+    types = list(fields["tokenizer.ggml.token_type"].contents())
+    merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"].contents()]
+    return GGUFVocab({t: i for i, t in enumerate(tokens)}, {m: r for r, m in enumerate(merges)},
+                     tuple(t for t, k in zip(tokens, types) if k == _CONTROL),
+                     str(fields["tokenizer.chat_template"].contents()),
+                     int(fields["tokenizer.ggml.eos_token_id"].contents()))
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's reversible bytes -> printable characters map (byte-level BPE spells bytes so)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    extra = (b for b in range(256) if b not in printable)
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(extra)}}
+
+
+def _bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Merge the adjacent pair of lowest rank, everywhere, until no pair is a merge."""
+    parts = list(word)
+    while len(parts) > 1:
+        pair = min(zip(parts, parts[1:]), key=lambda p: ranks.get(p, len(ranks)))
+        if pair not in ranks:
+            break
+        merged, i = [], 0
+        while i < len(parts):
+            if i + 1 < len(parts) and (parts[i], parts[i + 1]) == pair:
+                merged.append(parts[i] + parts[i + 1])
+                i += 2
+            else:
+                merged.append(parts[i])
+                i += 1
+        parts = merged
+    return parts
+
+
+def reference_encode(vocab: GGUFVocab, text: str) -> list[int]:
+    """Control tokens by name; between them digits one by one, GPT-2's split, byte-level BPE."""
+    import regex
+
+    chars = _byte_chars()
+    ids: list[int] = []
+    specials = "|".join(regex.escape(t) for t in vocab.control_tokens)
+    for piece in regex.split(f"({specials})", text):
+        if piece in vocab.ids and piece in vocab.control_tokens:
+            ids.append(vocab.ids[piece])
+            continue
+        for chunk in regex.split(r"(\p{N})", piece):
+            for word in regex.findall(_GPT2_SPLIT, chunk):
+                spelled = "".join(chars[b] for b in word.encode("utf-8"))
+                ids += [vocab.ids[p] for p in _bpe(spelled, vocab.merge_ranks)]
+    return ids
+
+
+@pytest.mark.parametrize("text", GGUF_STRINGS)
+def test_gguf_tokenizer_ids_match_the_files_vocabulary(tok: Tokenizer, gguf_vocab: GGUFVocab,
+                                                       text: str) -> None:
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == reference_encode(gguf_vocab, text)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.encode(text) == ids  # the file says add_bos_token false: nothing is prepended
+
+
+def test_gguf_chat_template_and_eos_match_the_file(tok: Tokenizer, gguf_vocab: GGUFVocab) -> None:
+    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."},
+                {"role": "user", "content": "Thanks 🤗"}]
+    expected = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+                "Face<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+                "4.<|im_end|>\n<|im_start|>user\nThanks 🤗<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.hf.chat_template == gguf_vocab.chat_template
+    assert tok.apply_chat_template(messages) == reference_encode(gguf_vocab, expected)
+    assert tok.eos_token_ids == (gguf_vocab.eos_token_id,)
