@@ -10,7 +10,7 @@ A device block is in exactly one of two places:
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from cobatch.request import Request
@@ -19,6 +19,11 @@ from cobatch.request import Request
 # it differs between processes, and a router in another process (cobatch/ray) compares its hashes of
 # a prompt with the ones a replica reports. Hashes of ints and tuples of ints are process-independent.
 ROOT_HASH = 0x636F6261746368
+
+# How many of the latest evicted block hashes stats report. A router applies the ones evicted since
+# the record it last saw (cobatch/ray/prefix_index.py) and forgets the replica's chains when more
+# were evicted than listed: sized for a second of heavy churn between two stats records.
+NUM_RECENT_EVICTIONS = 256
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -54,6 +59,10 @@ class BlockManager:
         self.swap_tables: dict[str, list[int]] = {}
         self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_cache_hits = 0  # of which found
+        self.num_evictions_total = 0  # cached blocks reused for other content (their prefix is gone)
+        self._recent_evictions: deque[int] = deque(maxlen=NUM_RECENT_EVICTIONS)  # their hashes
+        # Stats read the deque every step: copy it only when an eviction changed it.
+        self._recent_evictions_copy: tuple[int, tuple[int, ...]] = (0, ())  # (num_evictions_total, hashes)
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -72,6 +81,13 @@ class BlockManager:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.num_cache_hits / self.num_cache_queries if self.num_cache_queries else 0.0
+
+    @property
+    def recent_evicted_hashes(self) -> tuple[int, ...]:
+        """The hashes of the last NUM_RECENT_EVICTIONS evicted blocks, oldest first."""
+        if self._recent_evictions_copy[0] != self.num_evictions_total:
+            self._recent_evictions_copy = (self.num_evictions_total, tuple(self._recent_evictions))
+        return self._recent_evictions_copy[1]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -169,6 +185,8 @@ class BlockManager:
         block_hash = self.block_hash_of.pop(block, None)
         if block_hash is not None:
             del self.cached_blocks[block_hash]
+            self.num_evictions_total += 1
+            self._recent_evictions.append(block_hash)
         self.ref_counts[block] = 1
         return block
 

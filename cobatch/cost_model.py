@@ -10,10 +10,11 @@ Pure Python (no numpy/torch): a 4x4 normal-equation solve is microseconds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 NUM_FEATURES = 4
+NO_COEFFICIENTS = (0.0,) * NUM_FEATURES  # a model that has not seen enough steps predicts 0
 
 # Predicts a step's seconds from (rows, batched tokens, context tokens), like StepTimeModel.predict:
 # what the TPOT SLO bounds the batch with (slo.py, scheduler.py).
@@ -48,7 +49,7 @@ class StepTimeModel:
     ridge: float = 1e-9
     min_samples: int = 8
     num_samples: int = 0
-    coefficients: tuple[float, ...] = (0.0,) * NUM_FEATURES
+    coefficients: tuple[float, ...] = NO_COEFFICIENTS  # the last fit (fitted_coefficients: current)
     _xtx: list[list[float]] | None = None
     _xty: list[float] | None = None
     _dirty: bool = False
@@ -85,14 +86,43 @@ class StepTimeModel:
     def is_ready(self) -> bool:
         return self.num_samples >= self.min_samples
 
-    def predict(self, num_rows: int, num_tokens: int, num_context_tokens: int) -> float:
-        """Predicted seconds of a step (0 until enough steps have been seen)."""
+    @property
+    def fitted_coefficients(self) -> tuple[float, ...]:
+        """(c0, c1, c2, c3) as predict uses them: all zero until is_ready (what stats publish)."""
         if not self.is_ready:
-            return 0.0
+            return NO_COEFFICIENTS
         if self._dirty:
             self.fit()
-        x = features(num_rows, num_tokens, num_context_tokens)
-        return sum(c * v for c, v in zip(self.coefficients, x))
+        return self.coefficients
+
+    def predict(self, num_rows: int, num_tokens: int, num_context_tokens: int) -> float:
+        """Predicted seconds of a step (0 until enough steps have been seen)."""
+        return predict_with(self.fitted_coefficients, num_rows, num_tokens, num_context_tokens)
+
+
+def predict_with(coefficients: Sequence[float], num_rows: int, num_tokens: int,
+                 num_context_tokens: int) -> float:
+    """A step's seconds under fitted coefficients (a StepTimeModel's, or ones read from its stats)."""
+    return sum(c * x for c, x in zip(coefficients, features(num_rows, num_tokens, num_context_tokens)))
+
+
+def predict_prefill_s(coefficients: Sequence[float], num_prefill_tokens: int, num_decode_rows: int,
+                      num_context_tokens: int, max_num_batched_tokens: int) -> float:
+    """Seconds of the steps that compute `num_prefill_tokens` of prefill beside running decode rows.
+
+    Each step gives the `num_decode_rows` rows (holding `num_context_tokens` of KV) one token first and
+    the rest of the budget to one prefill chunk: what a queue of prompts costs before the last one's
+    first token. Optimistic: waits for a seat and preemptions are not counted (prefix-cache hits are
+    the caller's to subtract from the tokens).
+    """
+    if num_prefill_tokens <= 0:
+        return 0.0
+    rows, context = num_decode_rows, num_context_tokens
+    chunk = max(max_num_batched_tokens - rows, 1)
+    num_full, rest = divmod(num_prefill_tokens, chunk)
+    full_s = predict_with(coefficients, rows + 1, rows + chunk, context + chunk) if num_full else 0.0
+    rest_s = predict_with(coefficients, rows + 1, rows + rest, context + rest) if rest else 0.0
+    return num_full * full_s + rest_s
 
 
 def r_squared(model: StepTimeModel, samples: list[tuple[int, int, int, float]]) -> float:

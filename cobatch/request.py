@@ -22,6 +22,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    FINISHED_DEADLINE = 7  # its sampling_params.deadline_ms passed before it finished
 
     @property
     def is_finished(self) -> bool:
@@ -37,6 +38,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_DEADLINE: "deadline",
 }
 
 
@@ -66,6 +68,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     ngram_index: NgramIndex | None = None  # speculative decoding's lookup table, built on first use
     metrics: RequestMetrics = field(init=False)
+    deadline_time: float | None = field(init=False)  # time.monotonic() it must be done by, if any
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -73,6 +76,8 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         self.parent_id = self.parent_id or self.request_id
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        deadline_ms = self.sampling_params.deadline_ms
+        self.deadline_time = None if deadline_ms is None else self.arrival_time + deadline_ms / 1e3
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,6 +102,9 @@ class Request:
     @property
     def is_prompt_computed(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def is_past_deadline(self, now: float) -> bool:
+        return self.deadline_time is not None and now >= self.deadline_time
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None, now: float) -> None:
         """Record one sampled token (called only from Scheduler.update)."""

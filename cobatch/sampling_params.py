@@ -33,6 +33,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top log-probabilities per generated token
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool = True
+    # End the request this long after its arrival, with finish_reason "deadline" (a stop condition
+    # like max_tokens: its deltas so far stand). Relative, so it crosses processes (Ray replicas).
+    deadline_ms: float | None = None
 
     def __post_init__(self) -> None:
         # Accept lists/dicts/str from callers but store hashable tuples (the object is frozen).
@@ -75,6 +78,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.deadline_ms is not None and not (math.isfinite(self.deadline_ms) and self.deadline_ms > 0):
+            raise ValueError(f"deadline_ms must be a positive number of milliseconds, got {self.deadline_ms}")
         for _, bias in self.logit_bias:
             _check_finite("logit_bias value", bias)
             if not -100.0 <= bias <= 100.0:

@@ -7,6 +7,7 @@ recompute preemption are the same code path.
 
 from __future__ import annotations
 
+import heapq
 import time
 from bisect import insort
 from collections.abc import Sequence
@@ -31,13 +32,18 @@ class SchedulerStats:
     num_waiting_requests: int = 0  # distinct requests among them (the queue bound counts these)
     num_swapped: int = 0
     num_running_tokens: int = 0  # prompt + output tokens of the running sequences (their context)
+    num_running_prefill_tokens: int = 0  # tokens running sequences still prefill (beyond a decode token)
     num_waiting_tokens: int = 0  # tokens the waiting sequences have yet to prefill
+    num_swapped_tokens: int = 0  # tokens of the swapped sequences (computed; need device blocks back)
     num_kv_blocks: int = 0
     num_kv_blocks_used: int = 0
     num_preemptions_total: int = 0
     prefix_cache_hit_rate: float = 0.0  # share of looked-up prompt tokens found in the cache
     num_draft_tokens_total: int = 0  # speculative drafts fed to the model
     num_accepted_tokens_total: int = 0  # of which the model agreed with
+    num_evictions_total: int = 0  # prefix-cache blocks reused for other content
+    recent_evicted_hashes: tuple[int, ...] = ()  # the latest evicted block hashes, oldest first
+    mean_output_tokens: float = 0.0  # of recently finished sequences (stop or length); 0: none yet
 
     @property
     def num_kv_blocks_free(self) -> int:
@@ -83,6 +89,10 @@ class Scheduler:
                          if config.num_speculative_tokens and config.batching == "continuous" else None)
         self.num_draft_tokens_total = 0  # drafts fed to the model
         self.num_accepted_tokens_total = 0  # of which the model agreed with
+        # (deadline_time, request id) of requests with a deadline: a step looks at the top only.
+        # Entries of requests finished before their deadline stay until popped (or compacted).
+        self._deadlines: list[tuple[float, str]] = []
+        self.mean_output_tokens = 0.0
 
     # ---- queues --------------------------------------------------------------------------------
 
@@ -95,6 +105,31 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         insort(self.waiting, request, key=self._order_key)
+        if request.deadline_time is not None:
+            self._push_deadline(request)
+
+    def _push_deadline(self, request: Request) -> None:
+        assert request.deadline_time is not None
+        if len(self._deadlines) > 2 * len(self.requests) + 64:  # mostly finished ones: rebuild
+            self._deadlines = [(r.deadline_time, r.request_id) for r in self.requests.values()
+                               if r.deadline_time is not None and r is not request]
+            heapq.heapify(self._deadlines)
+        heapq.heappush(self._deadlines, (request.deadline_time, request.request_id))
+
+    def expire_deadlines(self, now: float) -> list[RequestDelta]:
+        """Finish every request whose deadline has passed, wherever it is (before schedule()).
+
+        A waiting one never gets (more) prefill, a running or swapped one ends where it is; their
+        blocks are free at once. O(1) when no deadline is due.
+        """
+        deltas = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline_time, request_id = heapq.heappop(self._deadlines)
+            request = self.requests.get(request_id)
+            # Gone, finished (a static batch's padding row), or the id reused by a later request.
+            if request is not None and not request.is_finished and request.deadline_time == deadline_time:
+                deltas.append(self._finish(request, RequestStatus.FINISHED_DEADLINE, now))
+        return deltas
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
                       stop_reason: int | str | None = None) -> RequestDelta | None:
@@ -115,19 +150,24 @@ class Scheduler:
         return bool(self.requests)
 
     def stats(self) -> SchedulerStats:
-        """Queue lengths, KV pool and cumulative counters now (O(waiting + running))."""
+        """Queue lengths, KV pool and cumulative counters now (O(waiting + running + swapped))."""
         bm = self.block_manager
         # A waiting sequence holds no KV (recompute resets it): all its tokens are still to compute.
+        # A running one has one token to compute when decoding; more while its prefill is chunked.
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_waiting_requests=len({r.parent_id for r in self.waiting}), num_swapped=len(self.swapped),
             num_running_tokens=sum(len(r.token_ids) for r in self.running),
+            num_running_prefill_tokens=sum(_num_prefill_left(r) for r in self.running),
             num_waiting_tokens=sum(len(r.token_ids) for r in self.waiting),
+            num_swapped_tokens=sum(len(r.token_ids) for r in self.swapped),
             num_kv_blocks=bm.num_blocks, num_kv_blocks_used=bm.num_used_blocks,
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
             num_draft_tokens_total=self.num_draft_tokens_total,
-            num_accepted_tokens_total=self.num_accepted_tokens_total)
+            num_accepted_tokens_total=self.num_accepted_tokens_total,
+            num_evictions_total=bm.num_evictions_total, recent_evicted_hashes=bm.recent_evicted_hashes,
+            mean_output_tokens=self.mean_output_tokens)
 
     # ---- schedule ------------------------------------------------------------------------------
 
@@ -354,6 +394,8 @@ class Scheduler:
         request.append_token(token_id, logprobs, now)
         self.block_manager.cache_full_blocks(request)
         status = request.check_stop(self.config.max_model_len)
+        if status is None and request.is_past_deadline(now):  # the token is delivered, then it ends
+            status = RequestStatus.FINISHED_DEADLINE
         if status is not None:
             return self._finish(request, status, now, new_token_ids=(token_id,))
         return self._delta(request, (token_id,), (logprobs,) if logprobs else ())
@@ -377,6 +419,8 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(request)
                 return self._finish(request, status, now, new_token_ids=tuple(tokens[:num_appended]))
         self.block_manager.cache_full_blocks(request)
+        if request.is_past_deadline(now):  # the verified run came in one step: all of it counts
+            return self._finish(request, RequestStatus.FINISHED_DEADLINE, now, new_token_ids=tuple(tokens))
         return self._delta(request, tuple(tokens), tuple(lp for lp in logprobs[:len(tokens)] if lp is not None))
 
     @staticmethod
@@ -405,8 +449,10 @@ class Scheduler:
         was_running = request.status == RequestStatus.RUNNING
         request.status = status
         request.metrics.finished_time = now
-        keep_row = (self.config.batching == "static" and was_running
-                    and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
+        is_natural_end = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        if is_natural_end:
+            self._observe_output_length(request.num_output_tokens)
+        keep_row = self.config.batching == "static" and was_running and is_natural_end
         if keep_row:
             request.is_padding = True  # keeps its row and blocks until the batch's longest ends
         else:
@@ -419,6 +465,12 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens, finish_reason=status.finish_reason,
             stop_reason=request.stop_reason, metrics=replace(request.metrics), error=error)
+
+    def _observe_output_length(self, num_output_tokens: int) -> None:
+        # A moving mean over about the last 32 sequences: what a router expects a seat to last.
+        mean = self.mean_output_tokens
+        self.mean_output_tokens = (float(num_output_tokens) if mean == 0.0
+                                   else mean + (num_output_tokens - mean) / 32)
 
     def _release(self, request: Request) -> None:
         """Remove a request from every queue and give back its blocks."""
@@ -450,3 +502,7 @@ class Scheduler:
             assert request.request_id in bm.swap_tables and request.request_id not in bm.block_tables
 
 
+def _num_prefill_left(request: Request) -> int:
+    """Tokens a running request computes beyond its next decode token (chunked prefill, recompute)."""
+    num_left = request.num_tokens - request.num_computed_tokens
+    return num_left if num_left > 1 and not request.is_padding else 0

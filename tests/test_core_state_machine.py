@@ -1,9 +1,10 @@
 """A hypothesis state machine over engine + scheduler + block manager with the KV-checking fake runner.
 
-Rules interleave arrivals, aborts (wherever the request is: waiting, running, swapped, mid-chunk),
-stop-string finishes of one sequence, failing steps and plain steps, over random pool sizes and every
-scheduler mode. After every rule: blocks conserved and never double-owned, no sequence lost or
-finished twice, every sequence's tokens a prefix of its reference. `drain` then demands that all
+Rules interleave arrivals (some with deadlines, on a fake clock that moves 1 ms a step), aborts
+(wherever the request is: waiting, running, swapped, mid-chunk), stop-string finishes of one sequence,
+failing steps and plain steps, over random pool sizes and every scheduler mode. After every rule:
+blocks conserved and never double-owned, no sequence lost or finished twice, every sequence's tokens a
+prefix of its reference; after every step: no row for a request whose deadline had passed. `drain` then demands that all
 work finishes within a bounded number of steps (no livelock, no thrash) with nothing left behind.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -24,9 +26,18 @@ from cobatch.testing.faults import FaultInjectingRunner
 from tests.fakes import FakeRunner
 from cobatch.scheduler import _StepPlan
 from cobatch.scheduler_output import SchedulerOutput
+from tests.test_deadlines import Clock
 from tests.test_scheduler import expected, make_engine, params, prompt, run, tokens_of
 
 MAX_DRAIN_STEPS = 3000  # far above any legal run here: hitting it means a livelock
+STEP_S = 0.001  # the fake clock's step
+CLOCK = Clock()
+
+
+@pytest.fixture(autouse=True)
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("cobatch.engine.time", CLOCK)
+    monkeypatch.setattr("cobatch.scheduler.time", CLOCK)
 
 
 @dataclass(slots=True)
@@ -35,6 +46,7 @@ class _Seq:
 
     prompt: list[int]
     max_tokens: int
+    deadline_time: float | None = None
     tokens: list[int] = field(default_factory=list)
     finishes: list[str] = field(default_factory=list)
 
@@ -85,18 +97,23 @@ class CoreMachine(RuleBasedStateMachine):
     # ---- rules ---------------------------------------------------------------------------------
 
     @rule(prompt_len=st.integers(1, 31), max_tokens=st.integers(1, 24), n=st.integers(1, 3),
-          priority=st.integers(-2, 2), variant=st.integers(0, 3))
-    def add(self, prompt_len: int, max_tokens: int, n: int, priority: int, variant: int) -> None:
+          priority=st.integers(-2, 2), variant=st.integers(0, 3),
+          deadline_ms=st.one_of(st.none(), st.integers(1, 40)), age_ms=st.sampled_from([0, 0, 50]))
+    def add(self, prompt_len: int, max_tokens: int, n: int, priority: int, variant: int,
+            deadline_ms: int | None, age_ms: int) -> None:
         max_len = self._engine.max_model_len
         prompt_len = min(prompt_len, max_len - 1)
         max_tokens = min(max_tokens, max_len - prompt_len)
         request_id = f"r{len(self.parents)}"
         ids = prompt(variant, prompt_len)  # few variants: shared prefixes exercise the prefix cache
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n)
-        seq_ids = self._engine.add_request(request_id, ids, params, priority=priority)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n, deadline_ms=deadline_ms)
+        arrival = CLOCK.now - age_ms / 1e3  # an old arrival: it may be due before its first step
+        seq_ids = self._engine.add_request(request_id, ids, params, priority=priority,
+                                           arrival_time=arrival)
         self.parents[request_id] = seq_ids
+        deadline_time = None if deadline_ms is None else arrival + deadline_ms / 1e3
         for seq_id in seq_ids:
-            self.seqs[seq_id] = _Seq(ids, max_tokens)
+            self.seqs[seq_id] = _Seq(ids, max_tokens, deadline_time)
 
     @rule(pick=st.integers(0, 10_000))
     def abort(self, pick: int) -> None:
@@ -125,19 +142,32 @@ class CoreMachine(RuleBasedStateMachine):
     @rule(num_steps=st.integers(1, 6))
     def step(self, num_steps: int) -> None:
         for _ in range(num_steps):
-            self._record(self._engine.step())
+            self._record(self._step())
             self._engine.scheduler.check_invariants()
 
     @rule()
     def failing_step(self) -> None:
         """The runner raises in one step: that step's requests fail, nobody else."""
         self.faults.inject("step_error")
-        deltas = self._engine.step()
+        deltas = self._step()
         scheduled = set(self._engine.stats[-1].row_request_ids)
         failed = {d.request_id for d in deltas if d.finish_reason == "error"}
         assert failed == {s for s in scheduled if not self._is_padding(s)}
         assert all(d.error for d in deltas if d.finish_reason == "error")
         self._record(deltas)
+
+    def _step(self) -> list[RequestDelta]:
+        """One engine step, 1 ms later: every sequence already due ends with "deadline", rowless."""
+        CLOCK.now += STEP_S
+        due = {seq_id for seq_id, seq in self.seqs.items() if not seq.finishes
+               and seq.deadline_time is not None and seq.deadline_time <= CLOCK.now}
+        deltas = self._engine.step()
+        assert not due & set(self._engine.stats[-1].row_request_ids), "a row past its deadline"
+        ended = {d.request_id for d in deltas if d.finish_reason == "deadline"}
+        assert due <= ended, f"due but not ended: {sorted(due - ended)}"
+        if ended:
+            event("deadline")
+        return deltas
 
     @rule()
     def drain(self) -> None:
@@ -146,7 +176,7 @@ class CoreMachine(RuleBasedStateMachine):
         for _ in range(MAX_DRAIN_STEPS):
             if not engine.has_unfinished_requests():
                 break
-            self._record(engine.step())
+            self._record(self._step())
             engine.scheduler.check_invariants()
         sched = engine.scheduler
         assert not engine.has_unfinished_requests(), (
