@@ -239,7 +239,7 @@ def run_against_ceiling(args: argparse.Namespace, runner: object, cost: ModelCos
     the two are reported apart: "speculative" in the JSON)."""
     from dataclasses import replace
 
-    from cobatch.bench.runs import EngineFactory, run_workload, warm_up
+    from cobatch.bench.runs import EngineFactory, warm_up
 
     requests = workload_from_args(args)
     prompt_lens = [r.num_prompt_tokens for r in requests]
@@ -257,18 +257,8 @@ def run_against_ceiling(args: argparse.Namespace, runner: object, cost: ModelCos
         factories[f"cobatch, {config.num_speculative_tokens} speculative tokens"] = \
             EngineFactory(runner, config)  # type: ignore[arg-type]
     warm_up(factories["cobatch"])
-    rates: dict[str, list[float]] = {label: [] for label in factories}
-    best_stats: list = []  # the best plain run's steps
     runs = max(1, args.runs)
-    for i in range(runs):
-        for label, factory in factories.items():
-            result = run_workload(factory.make(), requests)
-            if label == "cobatch" and result.tokens_per_s > max(rates[label], default=0.0):
-                best_stats = result.stats
-            rates[label].append(result.tokens_per_s)
-            print(f"{label}: {result.tokens_per_s:.1f} useful tok/s in {result.duration_s:.2f} s "
-                  f"= {100 * result.tokens_per_s / ceiling:.1f}% of the ceiling"
-                  + (f" (run {i + 1} of {runs})" if runs > 1 else ""), flush=True)
+    rates, best_stats = _alternating_runs(factories, requests, ceiling, runs)
     out["gap_by_step_kind"] = gap_by_step_kind(best_stats, cost, machine)
     print_gap(out["gap_by_step_kind"])
     if args.plot:
@@ -283,6 +273,26 @@ def run_against_ceiling(args: argparse.Namespace, runner: object, cost: ModelCos
         else:
             out["speculative"] = {"num_speculative_tokens": config.num_speculative_tokens, **figures}
     return out
+
+
+def _alternating_runs(factories: dict, requests: list, ceiling: float,
+                      runs: int) -> tuple[dict[str, list[float]], list]:
+    """Each factory's engine over the workload, alternating, `runs` times: tokens/s per label and the
+    steps of the best plain ("cobatch") run."""
+    from cobatch.bench.runs import run_workload
+
+    rates: dict[str, list[float]] = {label: [] for label in factories}
+    best_stats: list = []
+    for i in range(runs):
+        for label, factory in factories.items():
+            result = run_workload(factory.make(), requests)
+            if label == "cobatch" and result.tokens_per_s > max(rates[label], default=0.0):
+                best_stats = result.stats
+            rates[label].append(result.tokens_per_s)
+            print(f"{label}: {result.tokens_per_s:.1f} useful tok/s in {result.duration_s:.2f} s "
+                  f"= {100 * result.tokens_per_s / ceiling:.1f}% of the ceiling"
+                  + (f" (run {i + 1} of {runs})" if runs > 1 else ""), flush=True)
+    return rates, best_stats
 
 
 def _run_figures(label: str, rates: list[float], ceiling: float) -> dict:
