@@ -24,7 +24,7 @@ def load_hf_model(model: str | None, dtype: object) -> object:
     """The HF reference model on the same weights (GGUF via transformers' gguf_file)."""
     from transformers import AutoModelForCausalLM
 
-    from cobatch.models.paths import is_gguf, resolve_model_path
+    from cobatch.model_paths import is_gguf, resolve_model_path
 
     path = resolve_model_path(model)
     if is_gguf(path):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from cobatch.models.paths import is_gguf, resolve_model_path
+from cobatch.model_paths import is_gguf, resolve_model_path
 from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
 

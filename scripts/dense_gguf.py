@@ -12,7 +12,7 @@ import argparse
 import gguf
 import numpy as np
 
-from cobatch.models.paths import resolve_model_path
+from cobatch.model_paths import resolve_model_path
 
 _TYPES = {"bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
           "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32)}

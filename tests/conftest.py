@@ -20,7 +20,7 @@ def save_tiny_model(path: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from cobatch.models.paths import resolve_model_path
+    from cobatch.model_paths import resolve_model_path
 
     gguf = resolve_model_path(None)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -44,7 +44,7 @@ def hf_default_model():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cobatch.models.paths import resolve_model_path
+    from cobatch.model_paths import resolve_model_path
 
     path = resolve_model_path(None)
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

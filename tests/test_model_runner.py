@@ -129,7 +129,7 @@ REAL_NEW = 12
 def real_pair() -> tuple[ModelRunner, torch.nn.Module, object]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cobatch.models.paths import resolve_model_path
+    from cobatch.model_paths import resolve_model_path
 
     path = resolve_model_path(None)
     runner = ModelRunner.load(EngineConfig(dtype="float32", num_kv_blocks=64, swap_space=0))

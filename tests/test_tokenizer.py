@@ -152,7 +152,7 @@ class GGUFVocab:
 def gguf_vocab() -> GGUFVocab:
     import gguf
 
-    from cobatch.models.paths import resolve_model_path
+    from cobatch.model_paths import resolve_model_path
 
     fields = gguf.GGUFReader(resolve_model_path(None)).fields
     tokens = list(fields["tokenizer.ggml.tokens"].contents())

@@ -16,7 +16,7 @@ import torch
 
 from cobatch.models.llama import LlamaForCausalLM
 from cobatch.models.model_config import ModelConfig, RopeScaling
-from cobatch.models.paths import is_gguf, resolve_model_path
+from cobatch.model_paths import is_gguf, resolve_model_path
 
 __all__ = ["ModelConfig", "build_model", "load_model", "load_model_config", "resolve_model_path"]
 

@@ -64,7 +64,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _default_served_name(model: str | None) -> str:
-    from cobatch.models.paths import resolve_model_path
+    from cobatch.model_paths import resolve_model_path
 
     path = resolve_model_path(model)
     # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct": the quantization is not the name.
