@@ -72,8 +72,7 @@ def min_acceptance(batch_size: int) -> float:
     A rejected draft is a row computed in vain; an accepted one saves its row a later step and shares
     this step's K/V reads and fixed costs. Small batches stream the weights (bandwidth-bound), so an extra
     row is nearly free and any acceptance pays; from ~32 rows a step is compute-bound and a draft pays only
-    when right ~3 times in 4 (measured: chat answers, 46% accepted, 1.11x at batch 4 and 0.83x at 32;
-    mixed64, 92%, 1.04-1.10x at 64).
+    when right ~3 times in 4 (docs/BENCHMARKS.md, speculative decoding, has the measurements).
     """
     return min(0.75, max(0.0, (batch_size - 2) / 40))
 

@@ -135,9 +135,8 @@ def run_workload(engine: Engine, requests: list[BenchRequest], label: str = "") 
 
 def warm_up(factory: EngineFactory, num_tokens: int = 8) -> None:
     """One-time costs land in no measurement: the KV pool made resident first, as `cobatch serve` does
-    before it reports ready (its pages are mapped lazily, and a first touch costs ~1 ms per MiB on this
-    VM: ~0.1 s of every 2k-token prefill step of a fresh engine, which the runs after the first would not
-    pay), then a tiny run for the allocator and the kernels' first calls."""
+    before it reports ready (its pages are mapped lazily, and the first touch of each would land in the
+    first run's prefill steps, which the runs after it would not pay), then a tiny run for the allocator and the kernels' first calls."""
     engine = factory.make(max_num_seqs=4)
     engine.prefault_kv_cache()
     warm = [BenchRequest(num_tokens, prompt_token_ids=tuple(range(1000, 1000 + 16 * (i + 1))))

@@ -1,10 +1,9 @@
 """CPU tensors on transparent huge pages: the KV cache pool and the packed weights.
 
 Why: both are read in big scattered or streamed sweeps every step, and on 4 KiB pages the TLB misses (and
-the hardware prefetchers stopping at every page) cost measurable time: the attention kernel ~30% at batch
-64 with the KV pool on small pages (scripts/attention_microbench.py SHUFFLE=1 vs HUGE=1); a decode step's
-GEMMs 1.10x at batch 1 and 1.04x at 8-16 with the weights on huge pages (no change from 32 rows on,
-where the step is compute-bound). Where THP is off (or only "never") the advice is ignored and this is plain memory.
+the hardware prefetchers stopping at every page) cost measurable time in the attention kernel and in
+small-batch GEMMs (scripts/attention_microbench.py SHUFFLE=1 vs HUGE=1 and scripts/linear_microbench.py
+measure it). Where THP is off (or only "never") the advice is ignored and this is plain memory.
 """
 
 from __future__ import annotations

@@ -3,10 +3,7 @@
 One native kernel serves every batch size: decode steps (M = 1..64 rows, each weight streamed from DRAM
 once) and prefill (thousands of rows, compute-bound). It needs the weight repacked once, at load time,
 into panels of 16 output columns whose K pairs interleave (the layout vdpbf16ps consumes; the C file
-explains it). Measured on this machine's model shapes with the weights not in cache
-(scripts/linear_microbench.py, two runs): 2.0-3.3x oneDNN's F.linear at M = 1..8, 1.4-1.9x at 32-64,
-1.02-1.19x at 256-1024; 455-466 GFLOP/s with the weights in cache (the AVX512-BF16 peak of 2 Zen4 cores
-is ~470).
+explains it). scripts/linear_microbench.py measures it against oneDNN's F.linear (docs/BENCHMARKS.md).
 
 `pack_weight` turns a [N, K] weight into the packed [N/16B, K/2, 16B, 2] tensor, B = 3 panels per block
 where N/16 allows it, else 1 (a plain permutation: same bytes, no copy kept; the C file explains why

@@ -222,7 +222,7 @@ class Batch:
 
     def keep(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """What the model is asked for (keep, keep_tiles): the sampled rows, or None for all rows in
-        order. Why: after the forward every small torch op runs with cold caches (~50-100 us), and a
+        order. Why: after the forward every small torch op runs with cold caches, and a
         plain decode step samples every row in order, so its gather would copy the output as it is."""
         return (None, None) if self.samples_all_in_order else (self.sample_indices, self.sample_tiles)
 
@@ -292,9 +292,9 @@ def _prepare_any(rows: Sequence[ScheduledRow], block_size: int, device: torch.de
 def _prepare_decode(rows: Sequence[ScheduledRow], block_size: int, device: torch.device,
                     attention_kernel: AttentionKernel) -> Batch:
     """prepare_batch for a step of decode rows only (no padding; each maybe with speculative drafts),
-    native attention: the same tensors as _prepare_any, built from Python lists in one pass. Why: at
-    batch 32 the general path's ~20 small torch ops took ~0.25 ms, ~0.55 ms inside a running engine
-    (cold caches after the forward), every decode step."""
+    native attention: the same tensors as _prepare_any, built from Python lists in one pass. Why: the
+    general path's ~20 small torch ops, each on cold caches after the forward, cost more than the lists
+    on every decode step."""
     order = sorted(range(len(rows)), key=lambda i: rows[i].num_new_tokens != 1)  # as _prepare_any orders
     ordered_row = {i: k for k, i in enumerate(order)}
     token_ids, positions, slots, tables, tiles, flat_start = [], [], [], [], [], {}

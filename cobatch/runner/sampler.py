@@ -47,7 +47,7 @@ class Sampler:
             # is the same): when every row's max is finite there is no NaN or +inf to sanitize and nothing
             # else to apply, so the argmax is what the full path returns.
             best, token_ids = fused_ops().argmax(logits)  # torch.max(dim=-1), native on CPU
-            if all(map(math.isfinite, best.tolist())):  # in Python: a cold torch op costs ~50-90 us here
+            if all(map(math.isfinite, best.tolist())):  # in Python: a cold torch op costs more
                 return SamplerOutput(token_ids.tolist(), [None] * len(rows))
         params = [row.sampling_params for row in rows]
         raw = sanitize_logits(logits)  # [R, V]
