@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from cobatch.config import EngineConfig
+from cobatch.cost_model import predict_prefill_s
 from cobatch.engine import Engine, Runner, StepStats
 from cobatch.metrics import EngineMetrics
 from cobatch.outputs import RequestDelta
@@ -54,6 +55,10 @@ class RequestRejectedError(RequestFailedError):
     """The engine refused a request at admission (invalid there, though it passed the front door)."""
 
 
+class DeadlineUnreachableError(RuntimeError):
+    """No engine is predicted to start the request within its deadline: refused before any prefill."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     """Static facts about the loaded engine, published once when it is ready."""
@@ -63,6 +68,7 @@ class EngineInfo:
     block_size: int
     max_num_seqs: int
     max_concurrency: float
+    max_num_batched_tokens: int
     vocab_size: int | None
     dtype: str
     eos_token_ids: tuple[int, ...]
@@ -288,8 +294,41 @@ class AsyncEngine:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      priority: int = 0) -> RequestStream:
-        """`add` in the server's EngineClient shape (a routed client picks a replica first)."""
+        """`add` in the server's EngineClient shape (a routed client picks a replica first).
+
+        DeadlineUnreachableError if the request's first token is predicted past its deadline.
+        """
+        if params.deadline_ms is not None:
+            self._check_deadline(len(prompt_token_ids), params.deadline_ms)
         return self.add(request_id, prompt_token_ids, params, priority)
+
+    def predict_ttft_s(self, num_prompt_tokens: int) -> float:
+        """Seconds to a new request's first token, as of the last snapshot (0 until the model is fitted).
+
+        The prefill queued ahead of it (waiting, and running chunks) and its whole prompt, in budget
+        chunks beside the running decode rows, priced by the fitted step-time model. Optimistic on
+        load (no wait for a seat, adds not yet seen by the engine thread), pessimistic on a prompt
+        whose prefix is cached (the loop cannot see the cache).
+        """
+        stats, info = self.snapshot.scheduler, self.info
+        if info is None:
+            return 0.0
+        return predict_prefill_s(
+            self.snapshot.step_coefficients,
+            stats.num_waiting_tokens + stats.num_running_prefill_tokens + num_prompt_tokens,
+            stats.num_running, stats.num_running_tokens, info.max_num_batched_tokens)
+
+    def _check_deadline(self, num_prompt_tokens: int, deadline_ms: float) -> None:
+        ttft_ms = self.predict_ttft_s(num_prompt_tokens) * 1e3
+        if ttft_ms <= deadline_ms:
+            return
+        if self.metrics is not None:
+            self.metrics.record_deadline_refused()
+        stats = self.snapshot.scheduler
+        raise DeadlineUnreachableError(
+            f"the request cannot meet its deadline of {deadline_ms:g} ms: its first token is "
+            f"predicted after {ttft_ms:.0f} ms ({num_prompt_tokens} prompt tokens to prefill behind "
+            f"{stats.num_waiting_tokens + stats.num_running_prefill_tokens} queued)")
 
     async def render_metrics(self) -> tuple[bytes, str] | None:
         """The Prometheus exposition of this engine's metrics (None without metrics)."""
@@ -466,6 +505,7 @@ def _info_of(engine: Engine) -> EngineInfo:
         max_model_len=engine.max_model_len, num_kv_blocks=engine.config.num_kv_blocks,
         block_size=engine.config.block_size, max_num_seqs=engine.config.max_num_seqs,
         max_concurrency=engine.config.max_concurrency,
+        max_num_batched_tokens=engine.config.max_num_batched_tokens,
         vocab_size=getattr(model_config, "vocab_size", None),
         dtype=str(getattr(runner, "dtype", "unknown")).removeprefix("torch."),
         eos_token_ids=tuple(runner.eos_token_ids))

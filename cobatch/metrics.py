@@ -90,6 +90,10 @@ class EngineMetrics:
             "spec_decode_num_draft_tokens", "Speculative draft tokens fed to the model.")
         self.spec_decode_num_accepted_tokens = self._counter(
             "spec_decode_num_accepted_tokens", "Speculative draft tokens the model agreed with.")
+        self.request_deadline_missed = self._counter(
+            "request_deadline_missed", "Sequences the engine ended at their deadline (finish_reason deadline).")
+        self.request_deadline_refused = self._counter(
+            "request_deadline_refused", "Requests refused at once: first token predicted past their deadline.")
         self.request_success = Counter(
             "cobatch:request_success", "Finished sequences, by finish reason.",
             [*self._labels, "finished_reason"], registry=self.registry)
@@ -149,6 +153,8 @@ class EngineMetrics:
         """Per-sequence timings and the finish reason, from its finishing delta."""
         self.request_success.labels(**self._labels,
                                     finished_reason=delta.finish_reason or "unknown").inc()
+        if delta.finish_reason == "deadline":
+            self.request_deadline_missed.inc()
         if delta.index == 0:  # n samples share one prompt: count it once
             self.prompt_tokens.inc(delta.num_prompt_tokens)
         m = delta.metrics
@@ -162,6 +168,10 @@ class EngineMetrics:
             if m.last_token_time is not None and delta.num_output_tokens > 1:
                 self.time_per_output_token.observe(
                     (m.last_token_time - m.first_token_time) / (delta.num_output_tokens - 1))
+
+    def record_deadline_refused(self) -> None:
+        """A request refused before admission: its deadline was predicted unreachable."""
+        self.request_deadline_refused.inc()
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for GET /metrics."""

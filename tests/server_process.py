@@ -7,6 +7,8 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from cobatch.testing.server import free_port, wait_ready
@@ -51,6 +53,17 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextmanager
+def serving(model_dir: Path, log_path: Path, *flags: str) -> Iterator[ServerProcess]:
+    """A ready server for the `with` block, stopped after it (a module fixture's body)."""
+    proc = ServerProcess(model_dir, log_path, *flags)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
 
 
 def metric(text: str, name: str) -> float:

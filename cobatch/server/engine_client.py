@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from cobatch.async_engine import EngineInfo, EngineState
+# DeadlineUnreachableError lives with the engine (AsyncEngine.submit raises it too); named here for the server.
+from cobatch.async_engine import DeadlineUnreachableError, EngineInfo, EngineState
 from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
+
+__all__ = ["DeadlineUnreachableError", "EngineClient", "EngineOverloadedError", "OutputStream"]
 
 
 class EngineOverloadedError(RuntimeError):
@@ -21,10 +24,6 @@ class EngineOverloadedError(RuntimeError):
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-class DeadlineUnreachableError(RuntimeError):
-    """No engine is predicted to start the request within its deadline: refused before any prefill."""
 
 
 class OutputStream(Protocol):

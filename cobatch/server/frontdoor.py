@@ -6,7 +6,9 @@ Every check happens before a response starts, so a streaming request gets a real
 from __future__ import annotations
 
 import logging
+import math
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cobatch.async_engine import EngineDeadError, EngineState
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 _LOG_FIELD_MAX = 120
 _LOG_PARAMS_MAX = 1000  # a request's whole SamplingParams, at debug level
+DEADLINE_HEADER = "x-cobatch-deadline-ms"  # for gateways that impose a deadline without touching bodies
 
 
 def escape_for_log(value: object, limit: int = _LOG_FIELD_MAX) -> str:
@@ -93,9 +96,9 @@ class ServingContext:
 
     # ---- building --------------------------------------------------------------------------------
 
-    def sampling_params(self, req: _SamplingRequest, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
-        """SamplingParams from the request's fields; 400 on anything invalid (SamplingParams checks)."""
+    def sampling_params(self, req: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                        headers: Mapping[str, str]) -> SamplingParams:
+        """SamplingParams from the request's fields (and deadline header); 400 on anything invalid."""
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
@@ -112,7 +115,8 @@ class ServingContext:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
                 logprobs=logprobs, logit_bias=self._logit_bias(req.logit_bias),
-                skip_special_tokens=req.skip_special_tokens)
+                skip_special_tokens=req.skip_special_tokens,
+                deadline_ms=request_deadline_ms(req.deadline_ms, headers))
         except ValueError as exc:
             raise bad_request(str(exc), sampling_error_param(str(exc))) from exc
 
@@ -159,7 +163,9 @@ class ServingContext:
         except EngineOverloadedError as exc:  # a routed engine: every replica's queue is full
             raise overloaded(str(exc), exc.retry_after_s) from exc
         except DeadlineUnreachableError as exc:  # refused before any prefill
-            raise APIError(503, str(exc), param="deadline_ms", code="deadline_unreachable") from exc
+            # 429, not 5xx: load shedding the client's own deadline asked for, not a server fault
+            # (5xx stays "something broke" for dashboards and the hostile-input test).
+            raise APIError(429, str(exc), param="deadline_ms", code="deadline_unreachable") from exc
         logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s, user=%s", request_id,
                     len(prompt_token_ids), params.n, params.max_tokens,
                     escape_for_log(user) if user else "-")
@@ -172,6 +178,21 @@ def overloaded(message: str, retry_after_s: int) -> APIError:
     """The 429 + Retry-After of a full queue."""
     return APIError(429, message, code="rate_limit_exceeded",
                     headers={"Retry-After": str(retry_after_s)})
+
+
+def request_deadline_ms(body_ms: float | None, headers: Mapping[str, str]) -> float | None:
+    """The request's deadline: the tighter of the body's deadline_ms and the header (400 if it is bad)."""
+    value = headers.get(DEADLINE_HEADER)
+    if value is None:
+        return body_ms
+    try:
+        header_ms = float(value)
+    except ValueError:
+        header_ms = math.nan
+    if not (math.isfinite(header_ms) and header_ms > 0):
+        raise bad_request(f"the {DEADLINE_HEADER} header must be a positive number of milliseconds, "
+                          f"got {escape_for_log(value)!r}", DEADLINE_HEADER)
+    return header_ms if body_ms is None else min(body_ms, header_ms)
 
 
 def _or(value: float | int | None, default: float | int) -> float | int:

@@ -73,6 +73,10 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = Field(None, max_length=1024)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # cobatch's: end the request this many ms after its arrival (finish_reason "deadline"), and refuse
+    # it at once (429 deadline_unreachable) when its first token is predicted later. The header
+    # x-cobatch-deadline-ms sets one too; with both, the tighter applies (docs/SERVER.md).
+    deadline_ms: float | None = Field(None, gt=0.0)
     # Accepted and ignored: they change nothing about the answer.
     user: str | None = Field(None, max_length=512)
     store: bool | None = None

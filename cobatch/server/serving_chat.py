@@ -30,7 +30,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     _check_unsupported(req)
     prompt_ids = render_messages(ctx, req.messages, req.add_generation_prompt)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = ctx.sampling_params(req, req.max_completion_tokens or req.max_tokens, logprobs)
+    params = ctx.sampling_params(req, req.max_completion_tokens or req.max_tokens, logprobs,
+                                 raw.headers)
     sub = await ctx.submit("chatcmpl", prompt_ids, params, req.priority, req.user)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage

@@ -42,7 +42,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     ctx.check_model(req.model)
     _check_unsupported(req)
     prompt_ids, prompt_text = _prompt(ctx, req)
-    params = ctx.sampling_params(req, req.max_tokens, req.logprobs)
+    params = ctx.sampling_params(req, req.max_tokens, req.logprobs, raw.headers)
     sub = await ctx.submit("cmpl", prompt_ids, params, req.priority, req.user)
     echo = prompt_text if req.echo else None
     if req.stream:
