@@ -500,6 +500,9 @@ class Scheduler:
             assert request.status == RequestStatus.WAITING
         for request in self.swapped:
             assert request.request_id in bm.swap_tables and request.request_id not in bm.block_tables
+        due = {(r.deadline_time, r.request_id) for r in queued
+               if r.deadline_time is not None and not r.is_finished}
+        assert due <= set(self._deadlines), "a queued request's deadline is not watched"
 
 
 def _num_prefill_left(request: Request) -> int:
