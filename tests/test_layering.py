@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,13 @@ CONTRACTS = {"cobatch.config", "cobatch.sampling_params", "cobatch.scheduler_out
 TESTING = "cobatch.testing"
 # The kernels wing (DESIGN.md §2): models and the runner build on it; it imports nothing else of cobatch.
 KERNELS = "cobatch.kernels"
-WIRES_IN_TESTING = {"cobatch.server.cli"}
+WIRES_IN_TESTING = {"cobatch.server.cli", "cobatch.ray.replica"}
+# The Ray wing (DESIGN.md §2): its routing core is pure (tested without a cluster, no torch), and no
+# module outside it imports Ray (`import cobatch` and the single server stay Ray-free).
+RAY_PURE = {"cobatch.ray.prefix_index", "cobatch.ray.inflight", "cobatch.ray.scoring",
+            "cobatch.ray.routing_state", "cobatch.ray.ticket", "cobatch.ray.wire",
+            "cobatch.ray.migration", "cobatch.ray.chunking", "cobatch.ray.app_config",
+            "cobatch.ray.router_metrics"}
 
 # module (or package prefix) -> imports it must not make (a prefix forbids the whole package)
 FORBIDDEN: dict[str, set[str]] = {
@@ -43,6 +51,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "cobatch.bench.serve": {"cobatch.engine", "cobatch.scheduler", "cobatch.runner", "torch"},
     "cobatch.config_cli": {"torch", "cobatch.engine", "cobatch.runner", "cobatch.models", "cobatch.server",
                            "cobatch.scheduler", "cobatch.llm"},  # the flags of EngineConfig: no engine
+    **{m: {"ray", "torch", "numpy", "cobatch.runner", "cobatch.models"} for m in RAY_PURE},
 }
 
 
@@ -124,6 +133,23 @@ def test_bench_serve_reaches_nothing_of_the_engine() -> None:
         todo += [name for name in imports_of(path) if violates(name, "cobatch")]
     outside = sorted(m for m in seen if not violates(m, "cobatch.bench"))
     assert not outside, f"bench serve reaches {outside}"
+
+
+def test_only_the_ray_wing_imports_ray() -> None:
+    importers = {module_name(p) for p in MODULES if not violates(module_name(p), "cobatch.ray")
+                 and any(violates(name, "ray") for name in imports_of(p))}
+    assert not importers, f"{sorted(importers)} import ray: only cobatch.ray may"
+
+
+def test_the_pure_ray_modules_are_checked() -> None:
+    assert RAY_PURE <= {module_name(p) for p in MODULES}
+
+
+def test_importing_cobatch_and_its_ray_package_loads_no_ray() -> None:
+    """build_app is loaded on first use: `cobatch --help` and one server never pay Ray's import."""
+    code = ("import sys, cobatch, cobatch.ray, cobatch.ray.app_config, cobatch.server.cli; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parent)
 
 
 def test_the_scheduling_core_is_checked() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -29,16 +29,24 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 class FaultRequest(BaseModel):
-    """Test-only: which fault to inject into the engine (kinds: cobatch/testing/faults.py)."""
+    """Test-only: which fault to inject into the engine (kinds: cobatch/testing/faults.py).
+
+    Behind the Ray ingress, `replica` names one replica (as the x-cobatch-replica header does), and
+    the kind "kill_replica" ends that replica's process.
+    """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: str
     seconds: float = Field(0.0, ge=0.0, le=600.0)
     num_steps: int = Field(1, ge=1, le=1_000_000)
+    replica: str | None = Field(None, max_length=256)
+
+
+FaultHandler = Callable[[FaultRequest], Awaitable[None]]  # raises ValueError for a bad request
 
 
 def create_app(async_engine: EngineClient, tokenizer: Tokenizer, settings: ServerSettings,
-               inject_fault: Callable[[str, float, int], None] | None = None) -> FastAPI:
+               inject_fault: FaultHandler | None = None) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine thread and stops it at shutdown.
 
     `inject_fault` (test-only: serve --enable-fault-injection) adds POST /debug/fault.
@@ -139,12 +147,12 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
         return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
 
 
-def _add_fault_route(app: FastAPI, inject_fault: Callable[[str, float, int], None]) -> None:
+def _add_fault_route(app: FastAPI, inject_fault: FaultHandler) -> None:
     @app.post("/debug/fault", include_in_schema=False)
     async def fault(req: FaultRequest) -> JSONResponse:
         """Test-only (--enable-fault-injection): fail or slow the next steps, or kill the engine."""
         try:
-            inject_fault(req.kind, req.seconds, req.num_steps)  # thread-safe: a queue to the runner
+            await inject_fault(req)
         except ValueError as exc:
             raise bad_request(str(exc), "kind") from None
         return JSONResponse({"injected": req.kind})

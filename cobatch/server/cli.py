@@ -21,6 +21,7 @@ from cobatch.config import EngineConfig
 
 if TYPE_CHECKING:
     from cobatch.async_engine import EngineInfo
+    from cobatch.server.app import FaultHandler, FaultRequest
     from cobatch.server.draining_server import DrainingServer
     from cobatch.server.settings import ServerSettings
     from cobatch.testing.faults import FaultInjector
@@ -63,7 +64,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return config_cli.engine_config_from_args(args, model=args.model_tag or args.model)
 
 
-def _default_served_name(model: str | None) -> str:
+def default_served_name(model: str | None) -> str:
     from cobatch.model_paths import resolve_model_path
 
     path = resolve_model_path(model)
@@ -84,7 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config_from_args(args)
-        served_name = args.served_model_name or _default_served_name(config.model)
+        served_name = args.served_model_name or default_served_name(config.model)
         settings = _settings(args, config, served_name)
     except (ValueError, FileNotFoundError) as exc:
         print(f"cobatch serve: error: {exc}", file=sys.stderr)
@@ -108,6 +109,16 @@ def _fault_injector(enabled: bool) -> FaultInjector | None:
     from cobatch.testing.faults import FaultInjector
 
     return FaultInjector()
+
+
+def _fault_handler(faults: FaultInjector) -> FaultHandler:
+    """POST /debug/fault on one engine: into the injector's queue (there is no replica to name)."""
+    async def inject(req: FaultRequest) -> None:
+        if req.replica is not None:
+            raise ValueError("this server runs one engine: there is no replica to name")
+        faults.inject(req.kind, req.seconds, req.num_steps)  # thread-safe: a queue to the runner
+
+    return inject
 
 
 def _serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSettings) -> int:
@@ -134,7 +145,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSetti
         metrics=EngineMetrics(name), watchdog_timeout_s=args.watchdog_timeout,
         on_ready=lambda info: _banner(name, info, url, settings),
         on_dead=lambda reason: _on_dead(reason, exit_state, holder["server"]))
-    app = create_app(async_engine, tokenizer, settings, inject_fault=faults.inject if faults else None)
+    app = create_app(async_engine, tokenizer, settings,
+                     inject_fault=_fault_handler(faults) if faults else None)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                                     access_log=False, lifespan="on",
                                     timeout_graceful_shutdown=5),
