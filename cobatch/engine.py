@@ -14,7 +14,7 @@ from cobatch.outputs import RequestDelta
 from cobatch.request import Request, RequestStatus
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler import Scheduler, SchedulerStats
-from cobatch.scheduler_output import RunnerOutput, SchedulerOutput
+from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
 
 
 class Runner(Protocol):
@@ -54,6 +54,10 @@ class StepStats:
     predicted_s: float  # the step-time model's prediction before the step (0 until fitted)
     prefix_cache_hit_rate: float  # cumulative share of looked-up prompt tokens found in the cache
     row_request_ids: tuple[str, ...]  # who occupies each row: the "metro" timeline
+    # Per row, the live views' cell: "p" prefill chunk (or recompute), "d" decode (speculative too),
+    # "x" static-batching padding; and the row's new tokens.
+    row_kinds: str = ""
+    row_num_new_tokens: tuple[int, ...] = ()
 
 
 class Engine:
@@ -211,7 +215,9 @@ class Engine:
             num_accepted_tokens=now.num_accepted_tokens_total - before.num_accepted_tokens_total,
             predicted_s=predicted_s,
             prefix_cache_hit_rate=now.prefix_cache_hit_rate,
-            row_request_ids=tuple(r.request_id for r in output.rows)))
+            row_request_ids=tuple(r.request_id for r in output.rows),
+            row_kinds="".join(map(_row_kind, output.rows)),
+            row_num_new_tokens=tuple(r.num_new_tokens for r in output.rows)))
         self.num_steps += 1
 
 
@@ -233,6 +239,13 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_mo
             f"asks for {num_prompt + params.max_tokens} ({num_prompt} in the prompt, "
             f"{params.max_tokens} to generate): lower max_tokens or the prompt")
     return params.max_tokens if params.max_tokens is not None else room
+
+
+def _row_kind(row: ScheduledRow) -> str:
+    """StepStats.row_kinds' letter: a decode row feeds the last known output token (and any drafts)."""
+    if row.is_padding:
+        return "x"
+    return "p" if row.num_computed_tokens < max(row.num_prompt_tokens, len(row.token_ids) - 1) else "d"
 
 
 def _shape(output: SchedulerOutput) -> tuple[int, int, int]:
