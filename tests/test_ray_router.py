@@ -189,6 +189,14 @@ def test_full_queues_exclude_and_then_refuse() -> None:
     assert {c.excluded for c in decision.candidates} == {QUEUE_FULL}
 
 
+def test_requests_in_flight_fill_free_seats_before_the_queue() -> None:
+    stats = fake_stats("r1", max_num_seqs=4, num_running=1, max_num_waiting_requests=2)
+    state = state_with(stats)
+    # 3 free seats, then a queue of 2: the 5th request routed before a stats record is refused.
+    decisions = [state.decide(query(f"q{i}", list(range(8))), ["r1"], NOW) for i in range(6)]
+    assert [d.status for d in decisions] == [ROUTED] * 5 + [FULL]
+
+
 def test_caller_exclusion_and_a_prompt_larger_than_the_cache() -> None:
     state = state_with(fake_stats("r1"), fake_stats("r2", num_kv_blocks=8, num_kv_blocks_free=8))
     decision = state.decide(query("q", list(range(64)), exclude=frozenset({"r1"})), ["r1", "r2"], NOW)

@@ -233,6 +233,12 @@ def _predict(stats: ReplicaStats, load: InFlightLoad, num_prompt_tokens: int, nu
     return _Prediction(ttft_s, tpot_s, tpot_s - before_s, other_rows, queued)
 
 
+def projected_num_waiting(stats: ReplicaStats, load: InFlightLoad) -> int:
+    """Requests waiting there once the routed-but-unreported ones arrive: they take free seats first."""
+    num_free_seats = stats.max_num_seqs - stats.num_running - stats.num_swapped - stats.num_waiting
+    return stats.num_waiting_requests + max(load.num_requests - max(num_free_seats, 0), 0)
+
+
 def _exclusion(query: RouteQuery, stats: ReplicaStats, load: InFlightLoad, ttft_s: float,
                num_needed_blocks: int, now_s: float) -> str:
     if stats.replica_id in query.exclude:
@@ -240,7 +246,7 @@ def _exclusion(query: RouteQuery, stats: ReplicaStats, load: InFlightLoad, ttft_
     if num_needed_blocks > stats.num_kv_blocks:
         return PROMPT_EXCEEDS_KV
     bound = stats.max_num_waiting_requests
-    if bound is not None and stats.num_waiting_requests + load.num_requests >= bound:
+    if bound is not None and projected_num_waiting(stats, load) >= bound:
         return QUEUE_FULL
     if query.deadline_s is not None and now_s + ttft_s > query.deadline_s:
         return MISSES_DEADLINE

@@ -37,6 +37,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct); "
                              "the same as --model")
     _add_http_arguments(parser)
+    _add_replica_arguments(parser)
     config_cli.add_engine_args(parser)
 
 
@@ -57,6 +58,25 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add("--enable-fault-injection", action="store_true",
         help="test-only: POST /debug/fault makes the engine fail, stall or die")
+
+
+def _add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "replicas", "several engines behind this endpoint on Ray Serve (the cobatch[ray] extra); "
+        "every engine flag applies to each replica, --max-queued-requests to each replica's queue")
+    add = group.add_argument
+    add("--replicas", type=int, default=None,
+        help="engine replicas (default: one engine in this process, no Ray); with --max-replicas, "
+             "the number to start with")
+    add("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    add("--min-replicas", type=int, default=None, help="autoscaling: the fewest replicas")
+    add("--max-replicas", type=int, default=None,
+        help="autoscale up to this many replicas (Serve's autoscaling_config)")
+    add("--target-ongoing-requests", type=float, default=None,
+        help="autoscaling: the ongoing requests per replica Serve aims at")
+    add("--router", default="cobatch", choices=["cobatch", "power_of_two", "round_robin"],
+        help="how the ingress picks a replica: cobatch's cost model, Ray's power of two "
+             "choices, or round robin")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -90,6 +110,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"cobatch serve: error: {exc}", file=sys.stderr)
         return 2
+    if args.replicas is not None or args.max_replicas is not None:
+        from cobatch.ray.launch import run_replicated  # imports Ray: only for --replicas
+
+        return run_replicated(args, config, settings)
     return _serve(args, config, settings)
 
 
