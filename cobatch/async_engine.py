@@ -27,6 +27,7 @@ from cobatch.metrics import EngineMetrics
 from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler import SchedulerStats
+from cobatch.step_history import StepHistory
 
 logger = logging.getLogger(__name__)
 
@@ -165,12 +166,14 @@ class AsyncEngine:
     def __init__(self, engine_factory: Callable[[], Engine], metrics: EngineMetrics | None = None,
                  watchdog_timeout_s: float = 60.0,
                  on_dead: Callable[[str], None] | None = None,
-                 on_ready: Callable[[EngineInfo], None] | None = None) -> None:
+                 on_ready: Callable[[EngineInfo], None] | None = None,
+                 on_finished: Callable[[RequestDelta, StepHistory], None] | None = None) -> None:
         self._factory = engine_factory
         self.metrics = metrics
         self.watchdog_timeout_s = watchdog_timeout_s
         self._on_dead = on_dead
         self._on_ready = on_ready
+        self._on_finished = on_finished  # e.g. tracing: called on the loop for each finished sequence
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -188,6 +191,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._work_since = 0.0  # when live requests last appeared after none: progress is due after
         self._num_adds_sent = 0
+        self.history = StepHistory()  # the last steps and finishes, for the dashboard and tracing
 
     @classmethod
     def from_config(cls, config: EngineConfig, wrap_runner: Callable[[Runner], Runner] | None = None,
@@ -348,6 +352,8 @@ class AsyncEngine:
 
     def _dispatch(self, published: _Published) -> None:
         self.snapshot = published.snapshot
+        if published.stats is not None:
+            self.history.record_step(published.stats)
         if self.metrics is not None:
             self._record_metrics(published)
         for request_id, reason in published.rejected:
@@ -370,6 +376,9 @@ class AsyncEngine:
             stream.last_token_time[delta.request_id] = now
         if delta.finished:
             stream.num_unfinished -= 1
+            self.history.record_finished(delta)
+            if self._on_finished is not None:
+                self._on_finished(delta, self.history)
             if self.metrics is not None:
                 self.metrics.record_finished(delta)
         if delta.error is not None:

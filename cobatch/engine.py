@@ -242,10 +242,15 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_mo
 
 
 def _row_kind(row: ScheduledRow) -> str:
-    """StepStats.row_kinds' letter: a decode row feeds the last known output token (and any drafts)."""
+    """StepStats.row_kinds' letter: a decode row feeds one known output token (and any drafts).
+
+    Not from len(token_ids): the row shares the request's list, which update() has already grown.
+    """
     if row.is_padding:
         return "x"
-    return "p" if row.num_computed_tokens < max(row.num_prompt_tokens, len(row.token_ids) - 1) else "d"
+    is_prefill = (row.num_computed_tokens < row.num_prompt_tokens
+                  or row.num_new_tokens > 1 + len(row.spec_token_ids))  # a recompute chunk of output
+    return "p" if is_prefill else "d"
 
 
 def _shape(output: SchedulerOutput) -> tuple[int, int, int]:
