@@ -98,9 +98,11 @@ class CobatchIngress:
         results = await self.engine.broadcast(
             "inject_fault", req.kind, req.seconds, req.num_steps, req.replica
         ).results_async(return_exceptions=True)
+        # A bad fault is a ValueError on every replica; a replica lost meanwhile is no answer at all.
         errors = [getattr(r, "cause", r) for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise ValueError(str(errors[0]))
+        bad = [e for e in errors if isinstance(e, ValueError)]
+        if bad:
+            raise ValueError(str(bad[0]))
         if req.replica is not None and True not in results:
             raise ValueError(f"no engine replica is named {req.replica!r}")
 

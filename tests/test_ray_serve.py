@@ -1,0 +1,208 @@
+"""Replicas on a real local Ray: one cluster for the module, 2 one-thread replicas of the tiny model.
+
+Driven by the official openai client through Serve's HTTP proxy and cobatch's ingress: streaming, n,
+abort, 429, prefix affinity with balanced load, deadlines refused before any prefill, and a replica
+killed mid-stream (the greedy text is the uninterrupted run's). The kill comes last: the module does
+not wait for Serve's replacement replica.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+
+import openai  # noqa: E402
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from cobatch.ray import build_app  # noqa: E402
+from cobatch.testing.server import free_port  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_NUM_SEQS = 4
+MAX_QUEUED = 2  # per replica: 4 seats + 2 waiting, then the router answers 429
+LONG_PREFIX_A = " ".join(f"alpha{i}" for i in range(60))  # ~170 tokens: 10 full blocks shared
+LONG_PREFIX_B = " ".join(f"bravo{i}" for i in range(60))
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_model_dir: Path) -> Iterator[str]:
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024**2,
+             log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({
+            "engine": {"model": str(tiny_model_dir), "dtype": "float32", "num_kv_blocks": 256,
+                       "max_num_seqs": MAX_NUM_SEQS},
+            "num_replicas": 2, "num_threads_per_replica": 1, "max_queued_requests": MAX_QUEUED,
+            "enable_fault_injection": True, "stream_interval_ms": 20.0, "served_model_name": MODEL}),
+            name="cobatch", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _wait_healthy(url: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("the Ray app never became healthy")
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60.0)
+
+
+def _fault(base_url: str, **body: object) -> httpx.Response:
+    response = httpx.post(f"{base_url}/debug/fault", json=body, timeout=30.0)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def _complete(base_url: str, prompt: str, **fields: object) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0, **fields}
+    return httpx.post(f"{base_url}/v1/completions", json=body, timeout=60.0)
+
+
+def _metric_sum(base_url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", timeout=30.0).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_the_single_server_endpoints_answer_through_the_ingress(base_url: str,
+                                                                 client: openai.OpenAI) -> None:
+    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with pytest.raises(openai.BadRequestError):  # the front door's checks, before any routing
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
+    response = _complete(base_url, "Hello there")
+    assert response.status_code == 200 and response.headers["x-cobatch-replica"]
+    assert response.json()["usage"]["completion_tokens"] == 8
+    metrics = httpx.get(f"{base_url}/metrics").text
+    assert re.search(r'cobatch:generation_tokens_total\{model_name="tiny",replica="\w+"\}', metrics)
+    assert 'cobatch:router_decisions_total{model_name="tiny",status="routed"}' in metrics
+    decisions = httpx.get(f"{base_url}/debug/routing").json()["decisions"]
+    assert decisions[-1]["status"] == "routed" and len(decisions[-1]["candidates"]) == 2
+    assert decisions[-1]["chosen"] == response.headers["x-cobatch-replica"]
+
+
+def test_streaming_chat_and_n_samples(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say something"}], max_tokens=12,
+        stream=True, stream_options={"include_usage": True}, temperature=0.0)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    several = client.completions.create(model=MODEL, prompt="Once upon", n=3, max_tokens=6,
+                                        temperature=1.0, seed=1)
+    assert sorted(c.index for c in several.choices) == [0, 1, 2]
+    assert several.usage is not None and several.usage.completion_tokens == 18
+
+
+def test_prefix_affinity_with_balanced_load(base_url: str) -> None:
+    """Two long shared prefixes: each group sticks to one replica, and the groups use both."""
+    def send(prefix: str, user: int) -> str:
+        response = _complete(base_url, f"{prefix} user {user}", max_tokens=4)
+        assert response.status_code == 200, response.text
+        return response.headers["x-cobatch-replica"]
+
+    with ThreadPoolExecutor(8) as pool:  # the first of each group at once: they spread
+        warm = list(pool.map(lambda p: send(p, 0), [LONG_PREFIX_A, LONG_PREFIX_B]))
+        assert warm[0] != warm[1]
+        later = list(pool.map(lambda i: send([LONG_PREFIX_A, LONG_PREFIX_B][i % 2], 1 + i), range(8)))
+    assert later[0::2] == [warm[0]] * 4 and later[1::2] == [warm[1]] * 4
+
+
+def test_a_closed_stream_aborts_the_request_on_its_replica(base_url: str,
+                                                            client: openai.OpenAI) -> None:
+    aborted_before = _metric_sum(base_url, "cobatch:request_success_total", finished_reason="abort")
+    _fault(base_url, kind="stall", seconds=0.02, num_steps=100_000)
+    try:
+        with client.completions.with_streaming_response.create(
+                model=MODEL, prompt="Keep going", max_tokens=400, stream=True,
+                extra_body={"ignore_eos": True}) as response:
+            for i, _ in enumerate(response.iter_lines()):
+                if i >= 4:
+                    break
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:
+            aborted = _metric_sum(base_url, "cobatch:request_success_total", finished_reason="abort")
+            if aborted > aborted_before:
+                break
+            time.sleep(0.2)
+        assert aborted > aborted_before
+    finally:
+        _fault(base_url, kind="clear")
+
+
+def test_429_with_retry_after_when_every_replica_is_full(base_url: str) -> None:
+    _fault(base_url, kind="stall", seconds=0.2, num_steps=100_000)
+    try:
+        with ThreadPoolExecutor(20) as pool:
+            answers = list(pool.map(lambda i: _complete(base_url, f"busy {i}", max_tokens=2), range(20)))
+    finally:
+        _fault(base_url, kind="clear")
+    refused = [a for a in answers if a.status_code == 429]
+    assert refused and len(refused) < len(answers)
+    assert {a.status_code for a in answers} == {200, 429}
+    assert refused[0].headers["retry-after"] and refused[0].json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_a_deadline_no_replica_can_meet_is_refused_before_any_prefill(base_url: str) -> None:
+    finished_before = _metric_sum(base_url, "cobatch:request_success_total")
+    refused = _complete(base_url, LONG_PREFIX_A, deadline_ms=0.01)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "deadline_unreachable"
+    header = httpx.post(f"{base_url}/v1/completions", json={"prompt": LONG_PREFIX_B, "max_tokens": 4},
+                        headers={"x-cobatch-deadline-ms": "0.01"}, timeout=30.0)
+    assert header.status_code == 429
+    assert httpx.get(f"{base_url}/debug/routing").json()["decisions"][-1]["status"] == "deadline"
+    assert _metric_sum(base_url, "cobatch:request_success_total") == finished_before  # no engine saw it
+    assert _complete(base_url, "plenty of time", deadline_ms=60_000).status_code == 200
+
+
+def test_a_replica_killed_mid_stream_changes_nothing_in_the_greedy_text(base_url: str,
+                                                                         client: openai.OpenAI) -> None:
+    prompt, max_tokens = "The replica that dies", 48
+    reference = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                          temperature=0.0, extra_body={"ignore_eos": True})
+    _fault(base_url, kind="stall", seconds=0.03, num_steps=100_000)  # slow enough to kill mid-way
+    try:
+        with client.completions.with_streaming_response.create(
+                model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                stream=True, extra_body={"ignore_eos": True}) as response:
+            victim = response.headers["x-cobatch-replica"]
+            pieces: list[str] = []
+            for chunk in response.parse():
+                pieces.append(chunk.choices[0].text)
+                if len(pieces) == 5:
+                    _fault(base_url, kind="kill_replica", replica=victim)
+    finally:
+        _fault(base_url, kind="clear")
+    assert len(pieces) > 5
+    assert "".join(pieces) == reference.choices[0].text
+    assert _metric_sum(base_url, "cobatch:router_migrations_total") >= 1
