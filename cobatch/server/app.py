@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from cobatch.server.dashboard import add_dashboard_routes
 from cobatch.server.engine_client import EngineClient
 from cobatch.server.errors import APIError, bad_request, install_error_handlers
 from cobatch.server.frontdoor import ServingContext
@@ -22,6 +23,7 @@ from cobatch.server.serving_chat import create_chat_completion, render_messages
 from cobatch.server.serving_completion import create_completion
 from cobatch.server.settings import ServerSettings
 from cobatch.server.streaming import ClientDisconnected
+from cobatch.step_history import StepHistory
 from cobatch.tokenizer import Tokenizer
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -46,10 +48,12 @@ FaultHandler = Callable[[FaultRequest], Awaitable[None]]  # raises ValueError fo
 
 
 def create_app(async_engine: EngineClient, tokenizer: Tokenizer, settings: ServerSettings,
-               inject_fault: FaultHandler | None = None) -> FastAPI:
+               inject_fault: FaultHandler | None = None,
+               dashboard: Mapping[str, StepHistory] | None = None) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine thread and stops it at shutdown.
 
-    `inject_fault` (test-only: serve --enable-fault-injection) adds POST /debug/fault.
+    `inject_fault` (test-only: serve --enable-fault-injection) adds POST /debug/fault; `dashboard`
+    (replica name -> its step history) adds the live page at /dashboard.
     """
     ctx = ServingContext(async_engine, tokenizer, settings)
 
@@ -73,6 +77,8 @@ def create_app(async_engine: EngineClient, tokenizer: Tokenizer, settings: Serve
     _add_info_routes(app, ctx)
     if inject_fault is not None:
         _add_fault_route(app, inject_fault)
+    if dashboard is not None:
+        add_dashboard_routes(app, async_engine, dashboard)
     return app
 
 

@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from cobatch import config_cli
 from cobatch.config import EngineConfig
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from cobatch.server.draining_server import DrainingServer
     from cobatch.server.settings import ServerSettings
     from cobatch.testing.faults import FaultInjector
+    from cobatch.tracing import RequestTracer
 
 logger = logging.getLogger("cobatch.server")
 
@@ -58,6 +59,11 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add("--enable-fault-injection", action="store_true",
         help="test-only: POST /debug/fault makes the engine fail, stall or die")
+    add("--disable-dashboard", action="store_true",
+        help="do not serve the live page at /dashboard (request ids and timings, no text; no API key)")
+    add("--otlp-traces-endpoint", default=None, metavar="URL",
+        help="export one OpenTelemetry span tree per request to this OTLP/HTTP collector, e.g. "
+             "http://localhost:4318 (needs cobatch[otel]; default: no tracing)")
 
 
 def _add_replica_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +151,20 @@ def _fault_handler(faults: FaultInjector) -> FaultHandler:
     return inject
 
 
+def _tracer(endpoint: str | None, model_name: str) -> RequestTracer | None | Literal[False]:
+    """`--otlp-traces-endpoint`: a tracer, None when off, False (reported) without cobatch[otel]."""
+    if endpoint is None:
+        return None
+    try:
+        from cobatch.tracing import build_tracer
+
+        return build_tracer(endpoint, model_name)
+    except ImportError as exc:
+        print(f"cobatch serve: error: --otlp-traces-endpoint needs OpenTelemetry "
+              f"(pip install 'cobatch[otel]'): {exc}", file=sys.stderr)
+        return False
+
+
 def _serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSettings) -> int:
     import uvicorn
 
@@ -164,13 +184,18 @@ def _serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSetti
     name = settings.served_model_name
     url = f"http://{args.host}:{args.port}/v1"
     faults = _fault_injector(args.enable_fault_injection)  # wraps the runner; POST /debug/fault feeds it
+    tracer = _tracer(args.otlp_traces_endpoint, name)
+    if tracer is False:
+        return 2
     async_engine = AsyncEngine.from_config(
         config, wrap_runner=faults.wrap if faults else None,
         metrics=EngineMetrics(name), watchdog_timeout_s=args.watchdog_timeout,
         on_ready=lambda info: _banner(name, info, url, settings),
-        on_dead=lambda reason: _on_dead(reason, exit_state, holder["server"]))
+        on_dead=lambda reason: _on_dead(reason, exit_state, holder["server"]),
+        on_finished=tracer.on_finished if tracer else None)
     app = create_app(async_engine, tokenizer, settings,
-                     inject_fault=_fault_handler(faults) if faults else None)
+                     inject_fault=_fault_handler(faults) if faults else None,
+                     dashboard=None if args.disable_dashboard else {"engine": async_engine.history})
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                                     access_log=False, lifespan="on",
                                     timeout_graceful_shutdown=5),
@@ -178,6 +203,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSetti
     holder["server"] = server
     logger.info("cobatch: loading %s ...", name)
     server.run()
+    if tracer:
+        tracer.shutdown()  # the last spans leave before the process does
     if not server.started and exit_state.code == 0:
         return 1  # could not bind the port, or the lifespan failed
     return exit_state.code

@@ -1,0 +1,155 @@
+"""The dashboard's wire format: step records and finishes as compact JSON events, request timelines.
+
+Pure functions over StepRecord / RequestDelta (no engine imports), so they are unit-tested alone.
+One `tick` event per replica per interval carries the steps since the last one:
+
+    {"type": "tick", "replica": "engine", "state": "ready",
+     "ids": ["cmpl-1", "cmpl-2"],                      # the tick's id table: rows refer to it by index
+     "steps": [{"step": 41, "t": 812.5031, "ms": 21.4, "pred_ms": 20.9,
+                "rows": [0, 1], "kinds": "pd", "tokens": [64, 1],   # one entry per batch row
+                "running": 2, "waiting": 0, "swapped": 0, "kv": 0.31, "hit": 0.12,
+                "gen": 1, "prefill": 64, "decode": 1, "preempted": 0}],
+     "finished": [{"id": 1, "reason": "length", "tokens": 32}],
+     "why_waiting": null}                               # filled once the scheduler records reasons
+
+`kinds` uses StepStats.row_kinds' letters: "p" prefill chunk, "d" decode, "x" padding.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+
+from cobatch.async_engine import EngineInfo
+from cobatch.outputs import RequestDelta, RequestMetrics
+from cobatch.step_history import Segment, StepHistory, StepRecord
+
+SCHEMA_VERSION = 1
+# The page's slot for "why is it waiting": None until the scheduler records wait reasons (issue 22).
+NO_WAIT_REASONS = None
+
+
+def sse(event: str, payload: Mapping[str, object]) -> str:
+    """One named server-sent event holding compact JSON."""
+    return f"event: {event}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def hello_event(boot_id: str, state: str, interval_ms: int,
+                replicas: Mapping[str, EngineInfo | None]) -> dict[str, object]:
+    """The first event of a connection: which server (boot id: a restart changes it) and its engines."""
+    return {"type": "hello", "schema": SCHEMA_VERSION, "boot": boot_id, "state": state,
+            "interval_ms": interval_ms,
+            "replicas": [{"replica": name, **_info(info)} for name, info in replicas.items()]}
+
+
+def _info(info: EngineInfo | None) -> dict[str, object]:
+    if info is None:
+        return {}
+    return {"num_kv_blocks": info.num_kv_blocks, "block_size": info.block_size,
+            "max_num_seqs": info.max_num_seqs, "max_num_batched_tokens": info.max_num_batched_tokens,
+            "max_model_len": info.max_model_len}
+
+
+def tick_event(replica: str, state: str, steps: Iterable[StepRecord],
+               finished: Iterable[RequestDelta]) -> dict[str, object]:
+    """The steps and finishes one replica recorded since the last tick."""
+    ids: list[str] = []
+    index: dict[str, int] = {}
+
+    def ref(request_id: str) -> int:
+        if request_id not in index:
+            index[request_id] = len(ids)
+            ids.append(request_id)
+        return index[request_id]
+
+    step_dicts = [step_dict(stats, ref) for stats in steps]
+    finished_dicts = [{"id": ref(d.request_id), "reason": d.finish_reason, "tokens": d.num_output_tokens}
+                      for d in finished]
+    return {"type": "tick", "replica": replica, "state": state, "ids": ids, "steps": step_dicts,
+            "finished": finished_dicts, "why_waiting": NO_WAIT_REASONS}
+
+
+def step_dict(stats: StepRecord, ref: Callable[[str], int]) -> dict[str, object]:
+    """One step as the page draws it: its rows, timings and the engine's state after it."""
+    return {
+        "step": stats.step, "t": round(stats.start_time, 4),
+        "ms": round(stats.duration_s * 1e3, 3), "pred_ms": round(stats.predicted_s * 1e3, 3),
+        "rows": [ref(r) for r in stats.row_request_ids], "kinds": stats.row_kinds,
+        "tokens": list(stats.row_num_new_tokens),
+        "running": stats.num_running, "waiting": stats.num_waiting, "swapped": stats.num_swapped,
+        "kv": round(stats.kv_usage, 4), "hit": round(stats.prefix_cache_hit_rate, 4),
+        "gen": stats.num_generated_tokens, "prefill": stats.num_prefill_tokens,
+        "decode": stats.num_decode_tokens, "preempted": stats.num_preempted,
+    }
+
+
+def request_timeline(request_id: str, replica: str, history: StepHistory) -> dict[str, object] | None:
+    """A request's sequences through the kept steps (None if none of it was seen)."""
+    seq_ids = history.sequence_ids(request_id)
+    if not seq_ids or not (history.steps or history.finished):
+        return None
+    finished = {d.request_id: d for d in history.finished_of(request_id)}
+    first_kept = history.steps[0] if history.steps else None
+    sequences = [sequence_timeline(seq_id, history.segments(seq_id), finished.get(seq_id), first_kept)
+                 for seq_id in seq_ids]
+    return {"request_id": request_id, "replica": replica, "sequences": sequences,
+            "window": {"first_step": first_kept.step if first_kept else None,
+                       "last_step": history.steps[-1].step if history.steps else None}}
+
+
+def sequence_timeline(seq_id: str, segments: list[Segment], delta: RequestDelta | None,
+                      first_kept: StepRecord | None) -> dict[str, object]:
+    """One sequence's segments in ms from its arrival (or its first kept step, before it finishes)."""
+    metrics = delta.metrics if delta is not None else None
+    origin = metrics.arrival_time if metrics else (segments[0].start_time if segments else 0.0)
+    is_scheduled = metrics is not None and metrics.first_scheduled_time is not None
+    items = [_waiting(metrics, origin)] if metrics is not None and is_scheduled else []
+    items += [_segment_dict(s, origin) for s in segments]
+    return {
+        "id": seq_id, "status": "finished" if delta is not None else "live",
+        "finish_reason": delta.finish_reason if delta else None,
+        "error": delta.error if delta else None,
+        "is_truncated": _is_truncated(segments, metrics, first_kept),
+        "metrics": _metrics_dict(delta, metrics, origin) if delta and metrics else None,
+        "segments": items,
+    }
+
+
+def _ms(t: float, origin: float) -> float:
+    return round((t - origin) * 1e3, 3)
+
+
+def _waiting(metrics: RequestMetrics, origin: float) -> dict[str, object]:
+    assert metrics.first_scheduled_time is not None
+    return {"kind": "waiting", "start_ms": _ms(metrics.arrival_time, origin),
+            "end_ms": _ms(metrics.first_scheduled_time, origin), "wait_reason": NO_WAIT_REASONS}
+
+
+def _segment_dict(segment: Segment, origin: float) -> dict[str, object]:
+    return {"kind": segment.kind, "first_step": segment.first_step, "last_step": segment.last_step,
+            "num_tokens": segment.num_tokens, "start_ms": _ms(segment.start_time, origin),
+            "end_ms": _ms(segment.end_time, origin), "is_recompute": segment.is_recompute,
+            "wait_reason": segment.wait_reason}
+
+
+def _is_truncated(segments: list[Segment], metrics: RequestMetrics | None,
+                  first_kept: StepRecord | None) -> bool:
+    """Whether steps of the sequence may have left the kept window already (steps count from 0)."""
+    if first_kept is None or not segments:
+        return metrics is not None and metrics.first_scheduled_time is not None
+    if first_kept.step == 0:
+        return False  # nothing was dropped yet
+    started = metrics.first_scheduled_time if metrics else None
+    return segments[0].first_step <= first_kept.step or (
+        started is not None and started < first_kept.start_time)
+
+
+def _metrics_dict(delta: RequestDelta, metrics: RequestMetrics, origin: float) -> dict[str, object]:
+    def ms(t: float | None) -> float | None:
+        return None if t is None else _ms(t, origin)
+
+    return {"first_scheduled_ms": ms(metrics.first_scheduled_time),
+            "first_token_ms": ms(metrics.first_token_time), "finished_ms": ms(metrics.finished_time),
+            "num_prompt_tokens": delta.num_prompt_tokens, "num_output_tokens": delta.num_output_tokens,
+            "num_cached_tokens": metrics.num_cached_tokens, "num_preemptions": metrics.num_preemptions,
+            "num_swaps": metrics.num_swaps, "num_recomputed_tokens": metrics.num_recomputed_tokens}
