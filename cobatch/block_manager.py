@@ -148,20 +148,36 @@ class BlockManager:
 
         `cached_prefix` (for a request without blocks) are prefix-cache hits taken over first.
         """
-        table = self.block_table(request.request_id)
-        num_tokens = request.num_computed_tokens + num_new_tokens
-        num_revived = sum(1 for b in cached_prefix if self.ref_counts[b] == 0)
-        num_needed = self.blocks_needed(num_tokens) - len(table) - len(cached_prefix)
-        if not self.can_allocate(max(num_needed, 0) + num_revived, use_watermark):
-            if not table:
-                del self.block_tables[request.request_id]
+        if not self.can_allocate(self.num_blocks_to_allocate(request, num_new_tokens, cached_prefix),
+                                 use_watermark):
             return False
+        num_needed = self._num_new_blocks(request, num_new_tokens, cached_prefix)
+        table = self.block_table(request.request_id)
         for block in cached_prefix:
             self._take(block)
             table.append(block)
         for _ in range(num_needed):
             table.append(self._pop_free_block())
         return True
+
+    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int,
+                               cached_prefix: Sequence[int] = ()) -> int:
+        """Free blocks allocate_slots would take: new ones, and cached ones revived from the free list."""
+        num_revived = sum(1 for b in cached_prefix if self.ref_counts[b] == 0)
+        return max(self._num_new_blocks(request, num_new_tokens, cached_prefix), 0) + num_revived
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int, cached_prefix: Sequence[int]) -> int:
+        num_held = len(self.block_tables.get(request.request_id, ())) + len(cached_prefix)
+        return self.blocks_needed(request.num_computed_tokens + num_new_tokens) - num_held
+
+    def num_shared_prefix_blocks(self, request: Request) -> int:
+        """Leading blocks of the request's table that another live request holds too."""
+        num = 0
+        for block in self.block_tables.get(request.request_id, ()):
+            if self.ref_counts[block] < 2:
+                break
+            num += 1
+        return num
 
     def free(self, request: Request) -> None:
         """Release the request's device blocks (cached ones stay revivable until evicted)."""

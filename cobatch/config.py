@@ -15,7 +15,7 @@ from typing import Literal, TypeVar
 
 Batching = Literal["continuous", "static"]
 SchedulingPolicy = Literal["fcfs", "priority"]
-PreemptionMode = Literal["recompute", "swap"]
+PreemptionMode = Literal["recompute", "swap", "auto"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 _T = TypeVar("_T")
@@ -72,7 +72,10 @@ class SchedulingOptions:
     scheduling_policy: SchedulingPolicy = _option("fcfs", "admission and preemption order: arrival, "
                                                   "or the requests' priority")
     preemption_mode: PreemptionMode = _option("recompute", "a preempted request's KV: freed and "
-                                              "recomputed, or swapped to host memory")
+                                              "recomputed, swapped to host memory, or auto: per "
+                                              "victim, whichever the fitted step-time model and the "
+                                              "measured copy time predict cheaper (recompute when "
+                                              "the swap pool is full)")
     tpot_slo_ms: float | None = _option(None, "admit while the predicted decode step stays within "
                                         "this time per output token (ms; default: no SLO)", _positive)
     # N-gram speculative decoding (spec_decode.py). Not with static batching or a TPOT SLO (whose

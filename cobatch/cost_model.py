@@ -19,6 +19,9 @@ NO_COEFFICIENTS = (0.0,) * NUM_FEATURES  # a model that has not seen enough step
 # Predicts a step's seconds from (rows, batched tokens, context tokens), like StepTimeModel.predict:
 # what the TPOT SLO bounds the batch with (slo.py, scheduler.py).
 StepTimePredictor = Callable[[int, int, int], float]
+# (num_computed_tokens, num_cached_tokens, num_blocks) of a preemption victim -> predicted seconds of
+# (recompute, swap out and back in); None where there is no prediction yet (preemption_mode auto).
+PreemptionCostPredictor = Callable[[int, int, int], tuple[float | None, float | None]]
 
 
 def features(num_rows: int, num_tokens: int, num_context_tokens: int) -> tuple[float, ...]:
@@ -123,6 +126,45 @@ def predict_prefill_s(coefficients: Sequence[float], num_prefill_tokens: int, nu
     full_s = predict_with(coefficients, rows + 1, rows + chunk, context + chunk) if num_full else 0.0
     rest_s = predict_with(coefficients, rows + 1, rows + rest, context + rest) if rest else 0.0
     return num_full * full_s + rest_s
+
+
+def predict_recompute_s(coefficients: Sequence[float], num_tokens: int, num_cached_tokens: int,
+                        max_chunk_tokens: int) -> float:
+    """Seconds that computing a sequence's first `num_tokens` of KV again adds to the steps carrying it.
+
+    Past its cached prefix, in chunks of at most `max_chunk_tokens`: each chunk is one more row (c1),
+    its tokens (c2) and the context it attends to, up to the chunk's end (c3). The constant c0 is not
+    counted: under memory pressure the steps run for the other rows anyway.
+    """
+    _, per_row, per_token, per_context = coefficients
+    total, start = 0.0, num_cached_tokens
+    while start < num_tokens:
+        end = min(start + max(max_chunk_tokens, 1), num_tokens)
+        total += per_row + per_token * (end - start) + per_context * end
+        start = end
+    return total
+
+
+@dataclass(slots=True)
+class CopyTimeEstimate:
+    """Seconds per KV block copied between the device pool and the swap pool: a moving mean of measurements."""
+
+    weight: float = 0.2  # of the newest measurement
+    seconds_per_block: float | None = None  # None until a copy was measured
+    num_observations: int = 0
+
+    def observe(self, num_blocks: int, duration_s: float) -> None:
+        """One step's copies (swap out and in together): `num_blocks` blocks in `duration_s`."""
+        if num_blocks <= 0:
+            return
+        measured = duration_s / num_blocks
+        mean = self.seconds_per_block
+        self.seconds_per_block = measured if mean is None else mean + self.weight * (measured - mean)
+        self.num_observations += 1
+
+    def predict_s(self, num_blocks: int) -> float | None:
+        """Seconds to copy `num_blocks` blocks (None before any measurement)."""
+        return None if self.seconds_per_block is None else num_blocks * self.seconds_per_block
 
 
 def r_squared(model: StepTimeModel, samples: list[tuple[int, int, int, float]]) -> float:

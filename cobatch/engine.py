@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cobatch.config import EngineConfig, SchedulerConfig
-from cobatch.cost_model import StepTimeModel
+from cobatch.cost_model import CopyTimeEstimate, StepTimeModel, predict_recompute_s
 from cobatch.outputs import RequestDelta
 from cobatch.request import Request, RequestStatus
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler import Scheduler, SchedulerStats
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
+from cobatch.wait_reasons import SequenceWaitStatus, StepWaits
 
 
 class Runner(Protocol):
@@ -58,6 +59,9 @@ class StepStats:
     # "x" static-batching padding; and the row's new tokens.
     row_kinds: str = ""
     row_num_new_tokens: tuple[int, ...] = ()
+    # Who had no row and why (counts by reason, the examined sequences, each queue's shared reason),
+    # and the step's preemptions with their mode and predicted costs.
+    waits: StepWaits = StepWaits()
 
 
 class Engine:
@@ -71,7 +75,8 @@ class Engine:
         # Pure decode steps only: a prefill token costs a fraction of a decode row (GEMM efficiency),
         # so one linear fit over both regimes misjudges the all-decoding batch the SLO seat check asks about.
         self.decode_time_model = StepTimeModel()
-        self.scheduler = Scheduler(scheduler_config, self.predict_step_s)
+        self.copy_time = CopyTimeEstimate()  # of the runner's swap copies, as measured
+        self.scheduler = Scheduler(scheduler_config, self.predict_step_s, self.predict_preemption_s)
         self.scheduler_stats: SchedulerStats = self.scheduler.stats()  # as of the last step
         self.stats: deque[StepStats] = deque(maxlen=stats_history)
         self.num_steps = 0
@@ -164,6 +169,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001
             deltas = self.scheduler.fail_step(output, f"{type(exc).__name__}: {exc}")
         else:
+            self.copy_time.observe(runner_output.num_copied_blocks, runner_output.copy_s)
             deltas = self.scheduler.update(output, runner_output)
         deltas = expired + deltas
         end = time.monotonic()
@@ -176,6 +182,22 @@ class Engine:
         if num_tokens == num_rows and self.decode_time_model.is_ready:
             return self.decode_time_model.predict(num_rows, num_tokens, num_context_tokens)
         return self.step_time_model.predict(num_rows, num_tokens, num_context_tokens)
+
+    def predict_preemption_s(self, num_computed_tokens: int, num_cached_tokens: int,
+                             num_blocks: int) -> tuple[float | None, float | None]:
+        """Predicted seconds of (recompute, swap out and back in) for a victim; None: not known yet."""
+        recompute_s = None
+        if self.step_time_model.is_ready:
+            recompute_s = predict_recompute_s(self.step_time_model.fitted_coefficients, num_computed_tokens,
+                                              num_cached_tokens, self.config.max_num_batched_tokens)
+        return recompute_s, self.copy_time.predict_s(2 * num_blocks)
+
+    def request_status(self, request_id: str) -> list[SequenceWaitStatus] | None:
+        """Why each live sequence of a request (or one sequence id) is waiting; None if none is live."""
+        seq_ids = self._unfinished.get(request_id) or ({request_id} & self.scheduler.requests.keys())
+        found = [self.scheduler.wait_status(seq_id) for seq_id in sorted(seq_ids)]
+        statuses = [status for status in found if status is not None]
+        return statuses or None
 
     def _predict(self, output: SchedulerOutput) -> float:
         return self.predict_step_s(*_shape(output))
@@ -217,7 +239,8 @@ class Engine:
             prefix_cache_hit_rate=now.prefix_cache_hit_rate,
             row_request_ids=tuple(r.request_id for r in output.rows),
             row_kinds="".join(map(_row_kind, output.rows)),
-            row_num_new_tokens=tuple(r.num_new_tokens for r in output.rows)))
+            row_num_new_tokens=tuple(r.num_new_tokens for r in output.rows),
+            waits=self.scheduler.waits.last))
         self.num_steps += 1
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cobatch.scheduler_output import TokenLogprobs
+from cobatch.wait_reasons import PreemptionChoice
 
 
 @dataclass(slots=True)
@@ -24,6 +25,9 @@ class RequestMetrics:
     num_swaps: int = 0
     num_recomputed_tokens: int = 0  # tokens computed again after a recompute preemption
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Filled when it finishes: its steps without a row by reason, and its latest preemptions.
+    wait_steps: dict[str, int] = field(default_factory=dict)
+    preemptions: tuple[PreemptionChoice, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from cobatch.outputs import RequestMetrics
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import TokenLogprobs
 from cobatch.spec_decode import NgramIndex
+from cobatch.wait_ledger import WaitRecord
 
 
 class RequestStatus(enum.IntEnum):
@@ -67,6 +68,7 @@ class Request:
     # Hashes of the full blocks of token_ids, computed incrementally (prefix caching).
     block_hashes: list[int] = field(default_factory=list)
     ngram_index: NgramIndex | None = None  # speculative decoding's lookup table, built on first use
+    wait: WaitRecord = field(default_factory=WaitRecord)  # its steps without a row (wait_ledger.py)
     metrics: RequestMetrics = field(init=False)
     deadline_time: float | None = field(init=False)  # time.monotonic() it must be done by, if any
 

@@ -12,15 +12,21 @@ import time
 from bisect import insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from cobatch.block_manager import BlockManager
 from cobatch.config import SchedulerConfig
-from cobatch.cost_model import StepTimePredictor
+from cobatch.cost_model import PreemptionCostPredictor, StepTimePredictor
 from cobatch.outputs import RequestDelta
 from cobatch.request import Request, RequestStatus
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput, TokenLogprobs
 from cobatch.slo import SloStepBudget
 from cobatch.spec_decode import NgramProposer, accepted_tokens, min_acceptance
+from cobatch.wait_ledger import FINISHED, RUNNING, SWAPPED, WAITING, WaitLedger
+from cobatch.wait_reasons import (CHEAPER, CONFIGURED, KV_BLOCKS, MAX_NUM_SEQS, PREEMPTING,
+                                  SIBLING_PROMPT, STATIC_BATCH, SWAP_POOL_FULL, SWAPPED as SWAPPED_FIRST,
+                                  TOKEN_BUDGET, TPOT_SLO, UNMEASURED, WATERMARK, PreemptionChoice,
+                                  SequenceWaitStatus)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +78,15 @@ class Scheduler:
     """Owns the waiting / running / swapped queues and the block manager."""
 
     def __init__(self, config: SchedulerConfig,
-                 step_time_predictor: StepTimePredictor | None = None) -> None:
+                 step_time_predictor: StepTimePredictor | None = None,
+                 preemption_cost_predictor: PreemptionCostPredictor | None = None) -> None:
         self.config = config
         self.block_manager = BlockManager(
             config.num_kv_blocks, config.block_size, config.num_swap_blocks,
             config.enable_prefix_caching, config.watermark)
         self.step_time_predictor = step_time_predictor
+        self.preemption_cost_predictor = preemption_cost_predictor  # preemption_mode auto
+        self.waits = WaitLedger()  # why each live sequence had no row, step by step
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by _order_key
         self.running: list[Request] = []  # sorted by _order_key: the tail is preempted first
@@ -105,6 +114,7 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         insort(self.waiting, request, key=self._order_key)
+        self.waits.enter(request.wait, WAITING)
         if request.deadline_time is not None:
             self._push_deadline(request)
 
@@ -149,6 +159,17 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def wait_status(self, seq_id: str) -> SequenceWaitStatus | None:
+        """Why a live sequence had no row in the last step, its queue position, its counts (O(queue))."""
+        request = self.requests.get(seq_id)
+        if request is None or request.is_finished:
+            return None
+        queue = {WAITING: self.waiting, SWAPPED: self.swapped}.get(request.wait.queue)
+        if queue is None:
+            return self.waits.status(seq_id, request.wait)
+        position = next(i for i, r in enumerate(queue) if r is request)
+        return self.waits.status(seq_id, request.wait, position, len(queue))
+
     def stats(self) -> SchedulerStats:
         """Queue lengths, KV pool and cumulative counters now (O(waiting + running + swapped))."""
         bm = self.block_manager
@@ -179,10 +200,15 @@ class Scheduler:
         plan.slo = self._slo_budget()
         self._schedule_running(plan)
         # A step that had to preempt is short of memory: admitting now would only thrash.
+        waiting_reason = swapped_reason = PREEMPTING
         if plan.num_preempted == 0:
-            self._schedule_swapped(plan)
-        if plan.num_preempted == 0 and not self.swapped and self._is_admission_open():
-            self._schedule_waiting(plan)
+            swapped_reason = self._schedule_swapped(plan)
+            waiting_reason = SWAPPED_FIRST if self.swapped else None
+            if waiting_reason is None and not self._is_admission_open():
+                waiting_reason = STATIC_BATCH
+            if waiting_reason is None:
+                waiting_reason = self._schedule_waiting(plan)
+        self.waits.end_step(waiting_reason, swapped_reason, len(self.waiting), len(self.swapped))
         return SchedulerOutput(rows=tuple(plan.rows), blocks_to_swap_out=tuple(plan.swap_out),
                                blocks_to_swap_in=tuple(plan.swap_in),
                                num_preempted=plan.num_preempted)
@@ -202,7 +228,8 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
             if num_new > 1 and plan.slo is not None:  # a prefill chunk: only the SLO's slack
                 num_new = plan.slo.running_chunk(num_new)
-            if num_new <= 0:  # admitted without budget earlier in a static batch, or no SLO slack
+            if num_new <= 0:  # no SLO slack for its prefill chunk
+                self.waits.hold(request.request_id, request.wait, TPOT_SLO)
                 i += 1
                 continue
             drafts = self._draft(plan, request) if num_new == 1 and self.proposer is not None else ()
@@ -213,6 +240,9 @@ class Scheduler:
                 self._add_row(plan, request, num_new)
                 i += 1
             # else: `request` itself was preempted and left `running`; index i now holds the next.
+        for request in self.running[i:]:  # the budget ran out before them
+            if not request.is_padding:
+                self.waits.hold(request.request_id, request.wait, TOKEN_BUDGET)
 
     def _draft(self, plan: _StepPlan, request: Request) -> tuple[int, ...]:
         """Speculative tokens for a decode row: greedy rows whose logits do not depend on the tokens before
@@ -258,11 +288,13 @@ class Scheduler:
         plan.num_preempted += 1
         self.num_preemptions_total += 1
         victim.metrics.num_preemptions += 1
-        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(victim):
+        choice = self._choose_preemption(victim)
+        if choice.mode == "swap":
             plan.swap_out.extend(self.block_manager.swap_out(victim))
             victim.status = RequestStatus.SWAPPED
             victim.metrics.num_swaps += 1
             insort(self.swapped, victim, key=self._order_key)
+            self.waits.preempted(victim.request_id, victim.wait, choice, SWAPPED)
             return
         # Recompute: drop the KV; the request resumes from its tokens (prompt + output so far).
         self.block_manager.free(victim)
@@ -270,57 +302,120 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         insort(self.waiting, victim, key=self._order_key)
+        self.waits.preempted(victim.request_id, victim.wait, choice, WAITING)
 
-    def _schedule_swapped(self, plan: _StepPlan) -> None:
-        while self.swapped and plan.budget > 0 and self._has_seat():
+    def _choose_preemption(self, victim: Request) -> PreemptionChoice:
+        """Swap or recompute: as configured, or under auto whichever is predicted to cost less.
+
+        Swap needs room in the host pool; auto swaps while it has no measured copy time (or no fitted
+        step-time model), so that the copies get timed.
+        """
+        mode, can_swap = self.config.preemption_mode, self.block_manager.can_swap_out(victim)
+        choice = partial(PreemptionChoice, victim.request_id, self.waits.num_steps,
+                         num_computed_tokens=victim.num_computed_tokens)
+        if mode != "auto":
+            is_swap = mode == "swap" and can_swap
+            return choice(mode="swap" if is_swap else "recompute",
+                          why=SWAP_POOL_FULL if mode == "swap" and not is_swap else CONFIGURED)
+        recompute_s, swap_s = self._predict_preemption(victim)
+        if not can_swap:
+            mode, why = "recompute", SWAP_POOL_FULL
+        elif swap_s is None or recompute_s is None:
+            mode, why = "swap", UNMEASURED
+        else:
+            mode, why = ("swap" if swap_s < recompute_s else "recompute"), CHEAPER
+        return choice(mode=mode, why=why, recompute_s=recompute_s, swap_s=swap_s)
+
+    def _predict_preemption(self, victim: Request) -> tuple[float | None, float | None]:
+        """(recompute, swap) seconds predicted for this victim; None where there is no prediction."""
+        if self.preemption_cost_predictor is None:
+            return None, None
+        bm = self.block_manager
+        # Leading blocks another live request shares stay resident: re-admission finds them cached.
+        num_cached = min(bm.num_shared_prefix_blocks(victim) * bm.block_size, victim.num_computed_tokens)
+        num_blocks = len(bm.block_tables.get(victim.request_id, ()))
+        return self.preemption_cost_predictor(victim.num_computed_tokens, num_cached, num_blocks)
+
+    def _schedule_swapped(self, plan: _StepPlan) -> str | None:
+        """Swap back in from the head of `swapped`; the reason the rest stay out (None: none left)."""
+        bm = self.block_manager
+        while self.swapped:
+            if not self._has_seat():
+                return MAX_NUM_SEQS
+            if plan.budget <= 0:
+                return TOKEN_BUDGET
             request = self.swapped[0]
-            if not self.block_manager.can_swap_in(request, use_watermark=bool(self.running)):
-                break
+            use_watermark = bool(self.running)
+            if not bm.can_swap_in(request, use_watermark):
+                reason = WATERMARK if use_watermark and bm.can_swap_in(request, False) else KV_BLOCKS
+                self.waits.hold(request.request_id, request.wait, reason)
+                return reason
             self.swapped.pop(0)
-            plan.swap_in.extend(self.block_manager.swap_in(request))
+            plan.swap_in.extend(bm.swap_in(request))
+            self.waits.leave(request.wait, RUNNING)
             request.status = RequestStatus.RUNNING
             insort(self.running, request, key=self._order_key)
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
-            if self.block_manager.allocate_slots(request, num_new):
+            if bm.allocate_slots(request, num_new):
                 self._add_row(plan, request, num_new)
+            else:  # back in, but no block for its next token
+                self.waits.hold(request.request_id, request.wait, KV_BLOCKS)
+        return None
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: _StepPlan) -> str | None:
+        """Admit from the head of `waiting`; the reason the rest wait (None: nobody left)."""
         skipped: list[Request] = []
-        while self.waiting and self._has_seat() and plan.budget > 0:
+        reason = None
+        while self.waiting:
+            if not self._has_seat():
+                reason = MAX_NUM_SEQS
+                break
+            if plan.budget <= 0:
+                reason = TOKEN_BUDGET
+                break
             request = self.waiting.pop(0)
             if request.waits_for is not None and not request.waits_for.is_prompt_computed \
                     and not request.waits_for.is_finished:
                 skipped.append(request)  # its sibling's prompt blocks will be shared next step
+                self.waits.hold(request.request_id, request.wait, SIBLING_PROMPT)
                 continue
-            if not self._admit(plan, request):
+            reason = self._admit(plan, request)
+            if reason is not None:
                 self.waiting.insert(0, request)
+                self.waits.hold(request.request_id, request.wait, reason)
                 break
         for request in skipped:
             insort(self.waiting, request, key=self._order_key)
+        return reason
 
     def _has_seat(self) -> bool:
         return len(self.running) < self.config.max_num_seqs
 
-    def _admit(self, plan: _StepPlan, request: Request) -> bool:
+    def _admit(self, plan: _StepPlan, request: Request) -> str | None:
+        """Seat `request` with its first chunk; the reason it cannot be (None: admitted)."""
         bm = self.block_manager
         cached = bm.find_cached_prefix(request)
         num_cached = len(cached) * bm.block_size
         num_new = request.num_tokens - num_cached
         if not self.config.enable_chunked_prefill and num_new > plan.budget:
-            return False
+            return TOKEN_BUDGET
         num_new = min(num_new, plan.budget)
         if plan.slo is not None:
             num_new = plan.slo.admission_chunk(request, num_cached, num_new,
                                                self.config.enable_chunked_prefill)
             if num_new == 0:
                 self.num_slo_capped_steps += 1
-                return False
+                return TPOT_SLO
         request.num_computed_tokens = num_cached
         # The watermark is headroom for running requests to grow into: with none running, holding
         # it back would starve a request that needs the whole pool (it would wait forever).
-        if not bm.allocate_slots(request, num_new, cached, use_watermark=bool(self.running)):
+        use_watermark = bool(self.running)
+        if not bm.allocate_slots(request, num_new, cached, use_watermark=use_watermark):
+            num_blocks = bm.num_blocks_to_allocate(request, num_new, cached)
             request.num_computed_tokens = 0
-            return False
+            is_watermark = use_watermark and bm.can_allocate(num_blocks, use_watermark=False)
+            return WATERMARK if is_watermark else KV_BLOCKS
+        self.waits.leave(request.wait, RUNNING)
         bm.record_cache_lookup(request.num_tokens - 1, num_cached)
         request.metrics.num_cached_tokens = max(request.metrics.num_cached_tokens, num_cached)
         request.status = RequestStatus.RUNNING
@@ -328,7 +423,7 @@ class Scheduler:
             request.metrics.first_scheduled_time = time.monotonic()
         insort(self.running, request, key=self._order_key)
         self._add_row(plan, request, num_new)
-        return True
+        return None
 
     def _slo_budget(self) -> SloStepBudget | None:
         if self.config.tpot_slo_ms is None or self.step_time_predictor is None:
@@ -449,6 +544,9 @@ class Scheduler:
         was_running = request.status == RequestStatus.RUNNING
         request.status = status
         request.metrics.finished_time = now
+        self.waits.leave(request.wait, FINISHED)
+        request.metrics.wait_steps = self.waits.wait_steps(request.wait)
+        request.metrics.preemptions = tuple(request.wait.preemptions)
         is_natural_end = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
         if is_natural_end:
             self._observe_output_length(request.num_output_tokens)
@@ -500,6 +598,8 @@ class Scheduler:
             assert request.status == RequestStatus.WAITING
         for request in self.swapped:
             assert request.request_id in bm.swap_tables and request.request_id not in bm.block_tables
+        for queue, name in ((self.waiting, WAITING), (self.running, RUNNING), (self.swapped, SWAPPED)):
+            assert all(r.wait.queue == name for r in queue if not r.is_padding), f"wait record off {name}"
         due = {(r.deadline_time, r.request_id) for r in queued
                if r.deadline_time is not None and not r.is_finished}
         assert due <= set(self._deadlines), "a queued request's deadline is not watched"

@@ -93,3 +93,7 @@ class RunnerOutput:
 
     sampled_token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs | None, ...]  # None where the request did not ask for logprobs
+    # The step's swap copies (blocks_to_swap_out + blocks_to_swap_in) and the seconds they took:
+    # the measured copy time that preemption_mode auto weighs against recomputing.
+    num_copied_blocks: int = 0
+    copy_s: float = 0.0

@@ -65,7 +65,7 @@ def _config(draw: st.DrawFn) -> SchedulerConfig:
         enable_prefix_caching=draw(st.booleans()),
         batching=draw(st.sampled_from(["continuous", "static"])),
         scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
-        preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+        preemption_mode=draw(st.sampled_from(["recompute", "swap", "auto"])),
         watermark=draw(st.sampled_from([0.0, 0.01, 0.1, 0.25])))
 
 

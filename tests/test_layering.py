@@ -12,8 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "cobatch"
 
 CORE = {"cobatch.request", "cobatch.block_manager", "cobatch.scheduler", "cobatch.cost_model",
-        "cobatch.slo", "cobatch.spec_decode"}
-CONTRACTS = {"cobatch.config", "cobatch.sampling_params", "cobatch.scheduler_output", "cobatch.outputs"}
+        "cobatch.slo", "cobatch.spec_decode", "cobatch.wait_ledger"}
+CONTRACTS = {"cobatch.config", "cobatch.sampling_params", "cobatch.scheduler_output", "cobatch.outputs",
+             "cobatch.wait_reasons"}
 # Test scaffolding (DESIGN.md §2): only `serve --enable-fault-injection` wires it into production code.
 TESTING = "cobatch.testing"
 # The kernels wing (DESIGN.md §2): models and the runner build on it; it imports nothing else of cobatch.
@@ -30,6 +31,7 @@ RAY_PURE = {"cobatch.ray.prefix_index", "cobatch.ray.inflight", "cobatch.ray.sco
 FORBIDDEN: dict[str, set[str]] = {
     "cobatch.config": {"torch", "cobatch"},
     "cobatch.sampling_params": {"torch", "cobatch"},
+    "cobatch.wait_reasons": {"torch", "cobatch"},
     "cobatch.scheduler_output": {"torch", "numpy", "cobatch.scheduler", "cobatch.engine",
                                  "cobatch.runner", "cobatch.models", "cobatch.server"},
     "cobatch.outputs": {"torch", "numpy", *CORE, "cobatch.engine", "cobatch.runner", "cobatch.models",

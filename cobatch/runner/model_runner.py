@@ -113,10 +113,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Swap out, swap in, one forward over `out.rows`, sample the rows with needs_sample."""
-        self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
+        copies = {"num_copied_blocks": len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
+                  "copy_s": self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)}
         self.last_timings = {"prepare_s": 0.0, "forward_s": 0.0, "lm_head_s": 0.0, "sample_s": 0.0}
         if not out.rows:
-            return RunnerOutput((), ())
+            return RunnerOutput((), (), **copies)
         t0 = time.perf_counter()
         batch = prepare_batch(out.rows, self.block_size, self.device, self.attention_kernel, self.scratch_slot)
         t1 = time.perf_counter()
@@ -134,8 +135,8 @@ class ModelRunner:
         self.last_timings = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "lm_head_s": t3 - t2,
                              "sample_s": t4 - t3}
         if result is None:
-            return RunnerOutput((), ())
-        return RunnerOutput(tuple(result.token_ids), tuple(result.logprobs))
+            return RunnerOutput((), (), **copies)
+        return RunnerOutput(tuple(result.token_ids), tuple(result.logprobs), **copies)
 
     def profile_step(self, out: SchedulerOutput) -> dict[str, float]:
         """Execute `out` once, timed by part: seconds per part of the step, summed over layers.
@@ -186,7 +187,11 @@ class ModelRunner:
         return {"prepare": t["prepare_s"], **loop, "lm_head": t["lm_head_s"], "other": other,
                 "sample": t["sample_s"]}
 
-    def _swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
+    def _swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> float:
+        """The step's block copies; the seconds they took (preemption_mode auto weighs them)."""
+        if not swap_out and not swap_in:
+            return 0.0
+        start = time.perf_counter()
         # Out first: this step's swap-ins and rows may reuse the device blocks just freed.
         if swap_out:
             dev, host = _pair_indices(swap_out)
@@ -194,6 +199,9 @@ class ModelRunner:
         if swap_in:
             host, dev = _pair_indices(swap_in)
             self.kv_cache[:, :, dev.to(self.device)] = self.swap_cache[:, :, host].to(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies' time, not their launch
+        return time.perf_counter() - start
 
 
 def _pair_indices(pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
