@@ -58,10 +58,11 @@ HISTORY = steps([("a", "p", 8), ("b", "d", 1)], [("a", "p", 4), ("b", "d", 1)], 
 
 
 def test_a_tick_names_each_request_once_and_keeps_rows_kinds_and_tokens_per_step() -> None:
-    event = tick_event("engine", "ready", HISTORY[:2], [finished("b")])
+    event = tick_event("engine", "ready", HISTORY[:4], [finished("b")])
     assert event["ids"] == ["a", "b"] and event["replica"] == "engine"
-    first = event["steps"][0]
+    first, _, all_decode, _ = event["steps"]
     assert first["rows"] == [0, 1] and first["kinds"] == "pd" and first["tokens"] == [8, 1]
+    assert all_decode["kinds"] == "d" and all_decode["tokens"] == []  # one token per row: implied
     assert first["ms"] == 10.0 and first["pred_ms"] == 9.0 and first["kv"] == 0.25
     assert event["finished"] == [{"id": 1, "reason": "length", "tokens": 5}]
     assert event["why_waiting"] is None  # the empty slot until the scheduler records reasons

@@ -22,8 +22,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from opentelemetry.trace import SpanKind  # noqa: E402
 
-from cobatch.tracing import (RequestTracer, phases, preemption_gaps,  # noqa: E402
-                             request_attributes, traces_url)
+from cobatch.tracing import (RequestTracer, build_tracer, phases,  # noqa: E402
+                             preemption_gaps, request_attributes, traces_url)
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -112,6 +112,12 @@ def test_traces_url_adds_the_otlp_path_only_to_a_bare_collector_url() -> None:
     assert traces_url("http://collector:4318") == "http://collector:4318/v1/traces"
     assert traces_url("http://collector:4318/") == "http://collector:4318/v1/traces"
     assert traces_url("http://c:4318/custom/spans") == "http://c:4318/custom/spans"
+
+
+def test_the_otlp_tracer_builds_without_reaching_its_collector() -> None:
+    tracer = build_tracer("http://127.0.0.1:9", "m")  # nothing listens there: nothing is sent yet
+    assert isinstance(tracer, RequestTracer) and tracer.model_name == "m"
+    tracer.shutdown()
 
 
 def test_tracing_off_loads_no_opentelemetry() -> None:

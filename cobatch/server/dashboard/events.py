@@ -6,7 +6,7 @@ One `tick` event per replica per interval carries the steps since the last one:
     {"type": "tick", "replica": "engine", "state": "ready",
      "ids": ["cmpl-1", "cmpl-2"],                      # the tick's id table: rows refer to it by index
      "steps": [{"step": 41, "t": 812.5031, "ms": 21.4, "pred_ms": 20.9,
-                "rows": [0, 1], "kinds": "pd", "tokens": [64, 1],   # one entry per batch row
+                "rows": [0, 1], "kinds": "pd", "tokens": [64, 1],   # per row; [] when all are 1
                 "running": 2, "waiting": 0, "swapped": 0, "kv": 0.31, "hit": 0.12,
                 "gen": 1, "prefill": 64, "decode": 1, "preempted": 0}],
      "finished": [{"id": 1, "reason": "length", "tokens": 32}],
@@ -18,7 +18,7 @@ One `tick` event per replica per interval carries the steps since the last one:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from cobatch.async_engine import EngineInfo
 from cobatch.outputs import RequestDelta, RequestMetrics
@@ -51,36 +51,40 @@ def _info(info: EngineInfo | None) -> dict[str, object]:
 
 
 def tick_event(replica: str, state: str, steps: Iterable[StepRecord],
-               finished: Iterable[RequestDelta]) -> dict[str, object]:
+               finished: Sequence[RequestDelta]) -> dict[str, object]:
     """The steps and finishes one replica recorded since the last tick."""
-    ids: list[str] = []
-    index: dict[str, int] = {}
+    index: dict[str, int] = {}  # id -> its place in the table, in insertion order
 
-    def ref(request_id: str) -> int:
-        if request_id not in index:
-            index[request_id] = len(ids)
-            ids.append(request_id)
-        return index[request_id]
+    def refs(request_ids: Iterable[str]) -> list[int]:
+        return [index.setdefault(r, len(index)) for r in request_ids]
 
-    step_dicts = [step_dict(stats, ref) for stats in steps]
-    finished_dicts = [{"id": ref(d.request_id), "reason": d.finish_reason, "tokens": d.num_output_tokens}
-                      for d in finished]
-    return {"type": "tick", "replica": replica, "state": state, "ids": ids, "steps": step_dicts,
-            "finished": finished_dicts, "why_waiting": NO_WAIT_REASONS}
+    step_dicts = [step_dict(stats, refs) for stats in steps]
+    finished_ids = refs(d.request_id for d in finished)
+    finished_dicts = [{"id": i, "reason": d.finish_reason, "tokens": d.num_output_tokens}
+                      for i, d in zip(finished_ids, finished)]
+    return {"type": "tick", "replica": replica, "state": state, "ids": list(index),
+            "steps": step_dicts, "finished": finished_dicts, "why_waiting": NO_WAIT_REASONS}
 
 
-def step_dict(stats: StepRecord, ref: Callable[[str], int]) -> dict[str, object]:
+def step_dict(stats: StepRecord, refs: Callable[[Iterable[str]], list[int]]) -> dict[str, object]:
     """One step as the page draws it: its rows, timings and the engine's state after it."""
     return {
         "step": stats.step, "t": round(stats.start_time, 4),
         "ms": round(stats.duration_s * 1e3, 3), "pred_ms": round(stats.predicted_s * 1e3, 3),
-        "rows": [ref(r) for r in stats.row_request_ids], "kinds": stats.row_kinds,
-        "tokens": list(stats.row_num_new_tokens),
+        "rows": refs(stats.row_request_ids), "kinds": stats.row_kinds,
+        "tokens": _tokens(stats.row_num_new_tokens),
         "running": stats.num_running, "waiting": stats.num_waiting, "swapped": stats.num_swapped,
         "kv": round(stats.kv_usage, 4), "hit": round(stats.prefix_cache_hit_rate, 4),
         "gen": stats.num_generated_tokens, "prefill": stats.num_prefill_tokens,
         "decode": stats.num_decode_tokens, "preempted": stats.num_preempted,
     }
+
+
+def _tokens(row_num_new_tokens: tuple[int, ...]) -> list[int]:
+    """Each row's new tokens; [] when every row has one (all decode, the common step: half the bytes)."""
+    if sum(row_num_new_tokens) == len(row_num_new_tokens):
+        return []
+    return list(row_num_new_tokens)
 
 
 def request_timeline(request_id: str, replica: str, history: StepHistory) -> dict[str, object] | None:
