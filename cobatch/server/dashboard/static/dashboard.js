@@ -189,7 +189,7 @@
 
   function drawCell(ctx, cell, x, y, g) {
     const w = Math.max(g.cellWidth - 0.3, 0.8), h = Math.max(g.laneHeight - 1, 1);
-    ctx.globalAlpha = view.selected && cell.id !== view.selected ? 0.3 : 1; // the selected one stands out
+    ctx.globalAlpha = view.selected && cell.id !== view.selected ? 0.45 : 1; // the selected one stands out
     ctx.fillStyle = cellColor(cell);
     ctx.fillRect(x, y + 0.5, w, h);
     if (cell.kind === "x") { // padding: a throw-away row, hatched
@@ -373,9 +373,14 @@
       renderSegments(seq.segments) + renderWhy(seq.segments) + "</div>";
   }
 
+  function formatMs(value) {
+    if (value === null || value === undefined) return "–";
+    return value >= 10000 ? `${(value / 1e3).toFixed(1)} s` : `${value.toFixed(1)} ms`;
+  }
+
   function renderMetrics(m) {
     if (!m) return `<p class="why">Arrival, queue time and TTFT appear when it finishes.</p>`;
-    const ms = (v) => (v === null ? "–" : `${v.toFixed(1)} ms`);
+    const ms = formatMs;
     const rows = [["queue (to first scheduled)", ms(m.first_scheduled_ms)], ["time to first token", ms(m.first_token_ms)],
       ["end to end", ms(m.finished_ms)], ["prompt tokens (cached)", `${m.num_prompt_tokens} (${m.num_cached_tokens})`],
       ["output tokens", m.num_output_tokens], ["preemptions · swaps", `${m.num_preemptions} · ${m.num_swaps}`],
@@ -397,7 +402,7 @@
       const x = ((s.start_ms - start) / span) * 100, w = Math.max(((s.end_ms - s.start_ms) / span) * 100, 0.3);
       return `<rect x="${x}%" y="4" width="${w}%" height="26" fill="${segmentColor(s, hue)}"><title>${s.kind}</title></rect>`;
     }).join("");
-    return `<svg class="timeline">${rects}</svg><div class="axis"><span>${start.toFixed(0)} ms</span><span>${end.toFixed(0)} ms</span></div>`;
+    return `<svg class="timeline">${rects}</svg><div class="axis"><span>${formatMs(start)}</span><span>${formatMs(end)}</span></div>`;
   }
 
   function renderSegments(segments) {
@@ -405,7 +410,7 @@
       const steps = s.first_step === undefined ? "" : s.first_step === s.last_step ? s.first_step : `${s.first_step}–${s.last_step}`;
       const kind = s.kind === "unscheduled" ? "no row (preempted or held)" : s.is_recompute ? "prefill (recompute)" : s.kind;
       return `<tr class="segment ${s.kind}"><td>${kind}</td><td>${steps}</td><td>${s.num_tokens ?? ""}</td>` +
-        `<td>${(s.end_ms - s.start_ms).toFixed(1)} ms</td></tr>`;
+        `<td>${formatMs(s.end_ms - s.start_ms)}</td></tr>`;
     }).join("");
     return `<table class="segments"><tr><th>what</th><th>steps</th><th>tokens</th><th>for</th></tr>${rows}</table>`;
   }
