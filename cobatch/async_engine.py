@@ -28,10 +28,12 @@ from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler import SchedulerStats
 from cobatch.step_history import StepHistory
+from cobatch.wait_reasons import SequenceWaitStatus
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 1.0  # an idle engine thread wakes this often (only to notice a stop)
+_QUERY_TIMEOUT_S = 30.0  # a question to the engine thread waits at most its current step
 
 
 class EngineState(enum.Enum):
@@ -114,7 +116,15 @@ class _Shutdown:
     pass
 
 
-_Command = _Add | _Abort | _StopSequence | _Shutdown
+@dataclass(frozen=True, slots=True)
+class _Query:
+    """A read-only question for the engine thread; its answer resolves `future` on the loop."""
+
+    ask: Callable[[Engine], object]
+    future: asyncio.Future[object]
+
+
+_Command = _Add | _Abort | _StopSequence | _Shutdown | _Query
 
 
 @dataclass(slots=True)
@@ -348,6 +358,20 @@ class AsyncEngine:
         """Finish one sequence with "stop" (the server found a stop string in its text)."""
         self._inbox.put(_StopSequence(seq_id, stop_reason))
 
+    async def request_status(self, request_id: str) -> list[SequenceWaitStatus] | None:
+        """Why each sequence of a request (or one "id#i") is waiting; None if it is neither live nor kept.
+
+        Live sequences are asked of the engine thread (answered between two steps); finished ones come
+        from the finishing deltas the history keeps.
+        """
+        statuses = {d.request_id: _finished_status(d) for d in self.history.finished_of(request_id)}
+        if request_id.split("#", 1)[0] in self._streams and self.state != EngineState.DEAD:
+            future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+            self._inbox.put(_Query(lambda engine: engine.request_status(request_id), future))
+            live = await asyncio.wait_for(future, _QUERY_TIMEOUT_S)
+            statuses.update({s.seq_id: s for s in live or ()})  # type: ignore[attr-defined]
+        return [statuses[seq_id] for seq_id in sorted(statuses)] or None
+
     # ---- event-loop side of publishing -----------------------------------------------------------
 
     def _dispatch(self, published: _Published) -> None:
@@ -489,6 +513,12 @@ class AsyncEngine:
             delta = engine.stop_sequence(command.seq_id, command.stop_reason)
             if delta is not None:
                 deltas.append(delta)
+        elif isinstance(command, _Query):
+            try:
+                answer: object = command.ask(engine)
+            except Exception as exc:  # noqa: BLE001 - a bad question must not kill the engine loop
+                answer = exc
+            self._call_loop(_resolve, command.future, answer)
 
     def _step(self, engine: Engine, deltas: list[RequestDelta]) -> StepStats | None:
         num_steps = engine.num_steps
@@ -499,6 +529,25 @@ class AsyncEngine:
         if stats is not None and stats.num_rows > 0:
             self._last_progress = time.monotonic()
         return stats
+
+
+def _resolve(future: asyncio.Future[object], answer: object) -> None:
+    if future.done():  # the asker timed out
+        return
+    if isinstance(answer, Exception):
+        future.set_exception(answer)
+    else:
+        future.set_result(answer)
+
+
+def _finished_status(delta: RequestDelta) -> SequenceWaitStatus:
+    """A finished sequence's wait record, from the metrics of its finishing delta."""
+    metrics = delta.metrics
+    return SequenceWaitStatus(
+        seq_id=delta.request_id, state="finished", step=-1, reason=None,
+        wait_steps=dict(metrics.wait_steps) if metrics is not None else {},
+        preemptions=metrics.preemptions if metrics is not None else (),
+        finish_reason=delta.finish_reason)
 
 
 def _snapshot_of(engine: Engine, num_adds: int) -> EngineSnapshot:

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import generate_latest
 
 from cobatch.outputs import RequestDelta
+from cobatch.wait_reasons import StepWaits
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class StepStatsLike(Protocol):
     num_generated_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    waits: StepWaits
 
 
 class EngineMetrics:
@@ -94,6 +96,13 @@ class EngineMetrics:
             "request_deadline_missed", "Sequences the engine ended at their deadline (finish_reason deadline).")
         self.request_deadline_refused = self._counter(
             "request_deadline_refused", "Requests refused at once: first token predicted past their deadline.")
+        # One per sequence per step without a row; the reasons: cobatch/wait_reasons.py.
+        self.request_wait_steps = Counter(
+            "cobatch:request_wait_steps", "Steps a live sequence spent without a row, by reason.",
+            [*self._labels, "reason"], registry=self.registry)
+        self.num_preemptions_by_mode = Counter(
+            "cobatch:num_preemptions_by_mode", "Preemptions by the mode taken (recompute or swap).",
+            [*self._labels, "mode"], registry=self.registry)
         self.request_success = Counter(
             "cobatch:request_success", "Finished sequences, by finish reason.",
             [*self._labels, "finished_reason"], registry=self.registry)
@@ -135,6 +144,7 @@ class EngineMetrics:
             self.batch_size.observe(stats.num_rows - stats.num_padding_rows)
         if stats.num_preempted:
             self.num_preemptions.inc(stats.num_preempted)
+        self._record_waits(stats.waits)
         if stats.num_generated_tokens:
             self.generation_tokens.inc(stats.num_generated_tokens)
         if stats.num_draft_tokens:
@@ -144,6 +154,12 @@ class EngineMetrics:
         self._throughput.add(now, stats.num_prefill_tokens, stats.num_generated_tokens,
                              stats.num_preempted)
         self._throughput.maybe_log(now)
+
+    def _record_waits(self, waits: StepWaits) -> None:
+        for reason, num in waits.counts:
+            self.request_wait_steps.labels(**self._labels, reason=reason).inc(num)
+        for choice in waits.preemptions:
+            self.num_preemptions_by_mode.labels(**self._labels, mode=choice.mode).inc()
 
     def record_inter_token_latency(self, seconds: float) -> None:
         """Gap between two consecutive tokens of one sequence."""

@@ -65,6 +65,16 @@ class StepWaits:
         """Sequences without a row this step (live ones: running, waiting or swapped)."""
         return sum(n for _, n in self.counts)
 
+    def reason_of(self, seq_id: str, is_swapped: bool = False) -> str | None:
+        """Why a live sequence had no row this step: its own reason if examined, else its queue's.
+
+        `is_swapped`: it waits in the swapped queue (a preemption with mode "swap" put it there).
+        """
+        for held_id, reason in self.held:
+            if held_id == seq_id:
+                return reason
+        return self.swapped_reason if is_swapped else self.waiting_reason
+
 
 @dataclass(frozen=True, slots=True)
 class SequenceWaitStatus:

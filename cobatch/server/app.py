@@ -19,6 +19,7 @@ from cobatch.server.protocol import (ChatCompletionRequest, ChatCompletionRespon
                                      CompletionRequest, CompletionResponse, DetokenizeRequest,
                                      DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                                      TokenizeRequest, TokenizeResponse)
+from cobatch.server.request_status import add_request_status_route
 from cobatch.server.serving_chat import create_chat_completion, render_messages
 from cobatch.server.serving_completion import create_completion
 from cobatch.server.settings import ServerSettings
@@ -75,6 +76,7 @@ def create_app(async_engine: EngineClient, tokenizer: Tokenizer, settings: Serve
 
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
+    add_request_status_route(app, async_engine)
     if inject_fault is not None:
         _add_fault_route(app, inject_fault)
     if dashboard is not None:

@@ -14,6 +14,7 @@ from typing import Protocol
 from cobatch.async_engine import DeadlineUnreachableError, EngineInfo, EngineState
 from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
+from cobatch.wait_reasons import SequenceWaitStatus
 
 __all__ = ["DeadlineUnreachableError", "EngineClient", "EngineOverloadedError", "OutputStream"]
 
@@ -64,3 +65,7 @@ class EngineClient(Protocol):
     def stop_sequence(self, seq_id: str, stop_reason: str) -> None: ...
 
     async def render_metrics(self) -> tuple[bytes, str] | None: ...
+
+    async def request_status(self, request_id: str) -> list[SequenceWaitStatus] | None:
+        """Why each sequence of a request is waiting (GET /debug/requests/{id}); None if unknown."""
+        ...

@@ -18,8 +18,8 @@ from cobatch.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
                                      ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                      ChatTokenLogprob, DeltaMessage, TopLogprob)
 from cobatch.server.generation import choice_updates
-from cobatch.server.streaming import (DONE, SSE_HEADERS, engine_failure, error_event,
-                                      run_until_disconnect, sse)
+from cobatch.server.streaming import (DONE, engine_failure, error_event, run_until_disconnect, sse,
+                                      sse_headers)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
@@ -35,8 +35,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     sub = await ctx.submit("chatcmpl", prompt_ids, params, req.priority, req.user)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(_stream(ctx, sub, include_usage), headers=SSE_HEADERS,
-                                 media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, sub, include_usage),
+                                 headers=sse_headers(sub.request_id), media_type="text/event-stream")
     return await run_until_disconnect(raw, _collect(ctx, sub))
 
 

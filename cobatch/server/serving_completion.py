@@ -17,8 +17,8 @@ from cobatch.server.frontdoor import ServingContext, Submission
 from cobatch.server.generation import ChoiceUpdate, choice_updates
 from cobatch.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                      CompletionResponse)
-from cobatch.server.streaming import (DONE, SSE_HEADERS, engine_failure, error_event,
-                                      run_until_disconnect, sse)
+from cobatch.server.streaming import (DONE, engine_failure, error_event, run_until_disconnect, sse,
+                                      sse_headers)
 
 
 @dataclass(slots=True)
@@ -47,8 +47,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     echo = prompt_text if req.echo else None
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(_stream(ctx, sub, echo, include_usage), headers=SSE_HEADERS,
-                                 media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, sub, echo, include_usage),
+                                 headers=sse_headers(sub.request_id), media_type="text/event-stream")
     return await run_until_disconnect(raw, _collect(ctx, sub, echo))
 
 

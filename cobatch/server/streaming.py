@@ -19,6 +19,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# A stream's headers go out before its first token: the id to ask GET /debug/requests/{id} while waiting.
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def sse_headers(request_id: str) -> dict[str, str]:
+    """The headers of a request's event stream."""
+    return {**SSE_HEADERS, REQUEST_ID_HEADER: request_id}
 
 
 class ClientDisconnected(Exception):
