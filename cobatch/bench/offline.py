@@ -16,6 +16,7 @@ from cobatch.bench.common import add_workload_arguments, settings, workload_from
 from cobatch.bench.datasets import BenchRequest, output_length_cv
 from cobatch.bench.runs import EngineFactory, RunResult, run_workload, warm_up
 from cobatch.config_cli import add_engine_args, engine_config_from_args
+from cobatch.wait_reasons import WAIT_REASONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +68,42 @@ def print_run(result: RunResult) -> None:
     print(f"{result.label:>24}: {result.num_output_tokens} tokens in {result.duration_s:.2f} s = "
           f"{result.tokens_per_s:.1f} useful tok/s, {len(result.stats)} steps, "
           f"mean running {result.mean_running:.1f}, preemptions {result.num_preemptions}")
+
+
+def wait_summary(result: RunResult) -> dict:
+    """From the run's StepStats: sequence-steps without a row by reason, preemptions by mode, and the
+    mean predicted costs of preemption_mode auto's choices."""
+    wait_steps = dict.fromkeys(WAIT_REASONS, 0)
+    modes: dict[str, int] = {}
+    predicted: dict[str, list[float]] = {"recompute_s": [], "swap_s": []}
+    for stats in result.stats:
+        for reason, num in stats.waits.counts:
+            wait_steps[reason] += num
+        for choice in stats.waits.preemptions:
+            modes[choice.mode] = modes.get(choice.mode, 0) + 1
+            if choice.recompute_s is not None and choice.swap_s is not None:
+                predicted["recompute_s"].append(choice.recompute_s)
+                predicted["swap_s"].append(choice.swap_s)
+    summary: dict = {"wait_steps": {r: n for r, n in wait_steps.items() if n}, "preemptions_by_mode": modes}
+    if predicted["swap_s"]:
+        summary["mean_predicted_s"] = {k: statistics.fmean(v) for k, v in predicted.items()}
+    return summary
+
+
+def print_wait_summary(result: RunResult) -> None:
+    """Why sequences waited, and how they were preempted (nothing when nobody waited)."""
+    summary = wait_summary(result)
+    total = sum(summary["wait_steps"].values())
+    if total:
+        shares = ", ".join(f"{reason} {num} ({100 * num / total:.0f}%)"
+                           for reason, num in summary["wait_steps"].items())
+        print(f"{'':>26}waits (sequence-steps without a row): {shares}")
+    if summary["preemptions_by_mode"]:
+        modes = ", ".join(f"{mode} {num}" for mode, num in sorted(summary["preemptions_by_mode"].items()))
+        mean = summary.get("mean_predicted_s")
+        costs = (f" (predicted mean: recompute {1e3 * mean['recompute_s']:.2f} ms, swap "
+                 f"{1e3 * mean['swap_s']:.2f} ms)" if mean else "")
+        print(f"{'':>26}preemptions by mode: {modes}{costs}")
 
 
 def step_time_split(result: RunResult) -> dict[str, float]:
@@ -132,6 +169,7 @@ def main(args: argparse.Namespace) -> int:
         last = report.pop("_last")
         for result in last:
             print_run(result)
+            print_wait_summary(result)
         print(f"continuous / static useful tokens/s: {report['ratio']:.2f}x "
               f"(pairs: {', '.join(f'{r:.2f}' for r in report['pair_ratios'])})"
               + (f"; continuous with {config.num_speculative_tokens} speculative tokens, static never drafts"
@@ -140,10 +178,11 @@ def main(args: argparse.Namespace) -> int:
         engine = factory.make(batching=config.batching, tpot_slo_ms=config.tpot_slo_ms)
         result = run_workload(engine, requests)
         print_run(result)
+        print_wait_summary(result)
         if args.profile:
             print_step_time_split(result)
             print_memory(factory, result)
-        last, report = (result,), result.summary()
+        last, report = (result,), {**result.summary(), "waits": wait_summary(result)}
     if args.output_json:
         print(f"wrote {write_json(args.output_json, {'config': settings(args), 'result': report})}")
     if args.plot:

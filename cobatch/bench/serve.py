@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import time
 from dataclasses import dataclass, replace
 
@@ -145,6 +146,56 @@ def resolve_model(base_url: str, model: str | None) -> str:
         return "default"
 
 
+# cobatch's counters of why sequences waited and how they were preempted (docs/SERVER.md, Metrics).
+_SCRAPED = {"waits": ("cobatch:request_wait_steps_total", "reason"),
+            "preemptions_by_mode": ("cobatch:num_preemptions_by_mode_total", "mode")}
+
+
+def scrape_counters(base_url: str) -> dict[str, dict[str, float]] | None:
+    """cobatch's wait and preemption counters from /metrics, by label (summed over replicas);
+    None when the server does not expose them (it is not cobatch)."""
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return None
+    if _SCRAPED["waits"][0] not in text:
+        return None
+    found: dict[str, dict[str, float]] = {}
+    for key, (name, label) in _SCRAPED.items():
+        values = found.setdefault(key, {})
+        for labels, value in re.findall(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.MULTILINE):
+            match = re.search(rf'{label}="([^"]*)"', labels)
+            if match:
+                values[match.group(1)] = values.get(match.group(1), 0.0) + float(value)
+    return found
+
+
+def counters_during(before: dict[str, dict[str, float]] | None,
+                    after: dict[str, dict[str, float]] | None) -> dict[str, dict[str, float]] | None:
+    """What the counters grew by between two scrapes (None unless both found them)."""
+    if before is None or after is None:
+        return None
+    return {key: {label: value - before.get(key, {}).get(label, 0.0)
+                  for label, value in values.items() if value > before.get(key, {}).get(label, 0.0)}
+            for key, values in after.items()}
+
+
+def format_server_counters(counters: dict[str, dict[str, float]]) -> list[str]:
+    """The summary lines of a cobatch server's wait reasons and preemption modes during the run."""
+    lines = []
+    waits = counters.get("waits", {})
+    total = sum(waits.values())
+    if total:
+        shares = ", ".join(f"{reason} {num:.0f} ({100 * num / total:.0f}%)"
+                           for reason, num in sorted(waits.items(), key=lambda kv: -kv[1]))
+        lines.append(f"{'waits (sequence-steps, server)':<34}{shares}")
+    modes = counters.get("preemptions_by_mode", {})
+    if modes:
+        lines.append(f"{'preemptions by mode (server)':<34}"
+                     + ", ".join(f"{mode} {num:.0f}" for mode, num in sorted(modes.items())))
+    return lines
+
+
 def format_report(report: dict) -> str:
     """The vLLM-style text summary."""
     lines = [
@@ -160,6 +211,8 @@ def format_report(report: dict) -> str:
         s = report[key]
         lines.append(f"{name + ' ms  mean/p50/p90/p99':<34}"
                      f"{s['mean']:.1f} / {s['p50']:.1f} / {s['p90']:.1f} / {s['p99']:.1f}")
+    if report.get("server_counters"):
+        lines.extend(format_server_counters(report["server_counters"]))
     for error in report.get("errors", []):
         lines.append(f"error: {error}")
     return "\n".join(lines)
@@ -210,7 +263,11 @@ def main(args: argparse.Namespace) -> int:
     for rate in rates:
         run_spec = replace(spec, request_rate=rate)
         print(f"--- {len(requests)} requests to {spec.base_url} ({spec.model}), rate {rate:g}/s")
+        before = scrape_counters(spec.base_url)
         report = asyncio.run(benchmark(requests, run_spec, slo, not args.disable_tqdm))
+        counters = counters_during(before, scrape_counters(spec.base_url))
+        if counters is not None:
+            report["server_counters"] = counters
         print(format_report(report))
         reports.append(report)
     if args.save_result:
