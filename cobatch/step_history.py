@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cobatch.outputs import RequestDelta
+from cobatch.wait_reasons import PreemptionChoice, StepWaits
 
 # StepStats.row_kinds' letters, by name.
 ROW_KIND_NAMES = {"p": "prefill", "d": "decode", "x": "padding"}
 UNSCHEDULED = "unscheduled"  # a live sequence without a row: preempted, swapped or held back
+WAITING = "waiting"  # from its arrival to its first row
 
 MAX_STEPS = 4096  # as many as Engine keeps; a few hundred are drawn
 MAX_FINISHED = 1024
@@ -58,21 +60,29 @@ class StepRecord(Protocol):
     def row_kinds(self) -> str: ...
     @property
     def row_num_new_tokens(self) -> tuple[int, ...]: ...
+    @property
+    def waits(self) -> StepWaits: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Segment:
     """One sequence's consecutive steps of one kind, or the gap (steps without its row) between two."""
 
-    kind: str  # "prefill", "decode", "padding" or UNSCHEDULED
+    kind: str  # "prefill", "decode", "padding", UNSCHEDULED or WAITING
     first_step: int
-    last_step: int
+    last_step: int  # below first_step: no kept step in it (a WAITING one admitted at the next step)
     num_tokens: int
     start_time: float  # time.monotonic()
     end_time: float
     is_recompute: bool = False  # a prefill after decoding: its KV recomputed after a preemption
-    # Why an UNSCHEDULED gap had no row: None until the scheduler records wait reasons (issue 22, item 2).
-    wait_reason: str | None = None
+    # A gap's steps without a row by reason (StepStats.waits), and the preemption that began it.
+    wait_steps: tuple[tuple[str, int], ...] = ()
+    preemption: PreemptionChoice | None = None
+
+    @property
+    def wait_reason(self) -> str | None:
+        """The reason of most of the gap's steps (None where the engine recorded none)."""
+        return max(self.wait_steps, key=lambda item: item[1])[0] if self.wait_steps else None
 
 
 class StepHistory:
@@ -121,32 +131,88 @@ class StepHistory:
             ids.update(r for r in stats.row_request_ids if r == request_id or r.startswith(prefix))
         return sorted(ids)
 
-    def segments(self, seq_id: str) -> list[Segment]:
-        """The sequence's life in the kept steps: its runs of rows and the gaps between them."""
-        return sequence_segments(self.steps, seq_id)
+    def segments(self, seq_id: str, waited: tuple[float, float] | None = None) -> list[Segment]:
+        """The sequence's life in the kept steps: its runs of rows and the gaps between them (and its
+        wait, given `waited` = (arrival, first scheduled) times)."""
+        return sequence_segments(self.steps, seq_id, waited)
 
 
-def sequence_segments(steps: Iterable[StepRecord], seq_id: str) -> list[Segment]:
-    """Runs of one sequence's consecutive same-kind rows, with an UNSCHEDULED segment for each gap."""
-    segments: list[Segment] = []
-    has_decoded = False
+def sequence_segments(steps: Iterable[StepRecord], seq_id: str,
+                      waited: tuple[float, float] | None = None) -> list[Segment]:
+    """Runs of one sequence's consecutive same-kind rows, a segment for each gap between them, and,
+    given `waited` = (arrival, first scheduled) times, a WAITING one before the first row if that row
+    is still kept."""
+    builder = _SegmentBuilder(seq_id, waited)
     for stats in steps:
+        builder.add(stats)
+    return builder.segments
+
+
+class _SegmentBuilder:
+    """sequence_segments' state: the segments so far and the rowless steps since the last row."""
+
+    def __init__(self, seq_id: str, waited: tuple[float, float] | None) -> None:
+        self.seq_id = seq_id
+        self.waited = waited
+        self.segments: list[Segment] = []
+        self.rowless: list[StepRecord] = []
+        self.has_decoded = False
+        self.is_wait_kept: bool | None = None  # known at the first step
+
+    def add(self, stats: StepRecord) -> None:
+        if self.is_wait_kept is None:  # its first row (scheduled during its step) is still kept
+            self.is_wait_kept = self.waited is not None and self.waited[1] >= stats.start_time
         ids = stats.row_request_ids
-        if seq_id not in ids:
-            continue
-        row = ids.index(seq_id)
+        if self.seq_id not in ids:
+            if self.segments or (self.is_wait_kept and self.waited and stats.start_time >= self.waited[0]):
+                self.rowless.append(stats)
+            return
+        if self.rowless or (not self.segments and self.is_wait_kept):
+            self._close_gap(stats)
+        self._add_row(stats, ids.index(self.seq_id))
+
+    def _close_gap(self, stats: StepRecord) -> None:
+        last = self.segments[-1] if self.segments else None
+        first_step = self.rowless[0].step if self.rowless else stats.step
+        wait_steps, preemption = wait_steps_of(self.rowless, self.seq_id)
+        start = last.end_time if last is not None else self.waited[0] if self.waited else 0.0
+        self.segments.append(Segment(UNSCHEDULED if last else WAITING, first_step, stats.step - 1, 0,
+                                     start, stats.start_time, wait_steps=wait_steps,
+                                     preemption=preemption))
+        self.rowless = []
+
+    def _add_row(self, stats: StepRecord, row: int) -> None:
         kind = ROW_KIND_NAMES.get(stats.row_kinds[row:row + 1], "decode")  # no kinds: an old record
         num_tokens = stats.row_num_new_tokens[row] if row < len(stats.row_num_new_tokens) else 1
         end_time = stats.start_time + stats.duration_s
-        last = segments[-1] if segments else None
+        last = self.segments[-1] if self.segments else None
         if last is not None and last.last_step + 1 == stats.step and last.kind == kind:
-            segments[-1] = Segment(kind, last.first_step, stats.step, last.num_tokens + num_tokens,
-                                   last.start_time, end_time, last.is_recompute)
-            continue
-        if last is not None and last.last_step + 1 < stats.step:
-            segments.append(Segment(UNSCHEDULED, last.last_step + 1, stats.step - 1, 0,
-                                    last.end_time, stats.start_time))
-        segments.append(Segment(kind, stats.step, stats.step, num_tokens, stats.start_time, end_time,
-                                is_recompute=kind == "prefill" and has_decoded))
-        has_decoded = has_decoded or kind == "decode"
-    return segments
+            self.segments[-1] = Segment(kind, last.first_step, stats.step, last.num_tokens + num_tokens,
+                                        last.start_time, end_time, last.is_recompute)
+            return
+        self.segments.append(Segment(kind, stats.step, stats.step, num_tokens, stats.start_time,
+                                     end_time, is_recompute=kind == "prefill" and self.has_decoded))
+        self.has_decoded = self.has_decoded or kind == "decode"
+
+
+def wait_steps_of(steps: Iterable[StepRecord],
+                  seq_id: str) -> tuple[tuple[tuple[str, int], ...], PreemptionChoice | None]:
+    """A sequence's rowless steps counted by reason (StepStats.waits), and the preemption among them.
+
+    Its reason in a step is its own where the scheduler examined it, else its queue's (waiting, or
+    swapped after a swap preemption).
+    """
+    counts: dict[str, int] = {}
+    preemption: PreemptionChoice | None = None
+    for stats in steps:
+        waits = stats.waits
+        for choice in waits.preemptions:
+            if choice.request_id == seq_id:
+                preemption = choice
+        reason = next((r for held_id, r in waits.held if held_id == seq_id), None)
+        if reason is None:
+            is_swapped = preemption is not None and preemption.mode == "swap"
+            reason = waits.swapped_reason if is_swapped else waits.waiting_reason
+        if reason is not None:
+            counts[reason] = counts.get(reason, 0) + 1
+    return tuple(counts.items()), preemption

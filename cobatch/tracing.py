@@ -10,7 +10,7 @@ stays free of it.
       queue      [arrival .. first scheduled]
       prefill                [first scheduled .. first token]
       decode                                   [first token ............... finished]
-      events: "preempted" at each step where the sequence lost its row (from the step history)
+      events: "preempted" at each step where the sequence lost its row, with the mode chosen
 
 Attribute names are vLLM's gen_ai.* where it has one; cobatch.* for the rest.
 """
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from cobatch.outputs import RequestDelta, RequestMetrics
-from cobatch.step_history import UNSCHEDULED, Segment, StepHistory
+from cobatch.step_history import Segment, StepHistory
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
@@ -84,9 +84,8 @@ class RequestTracer:
         context = trace.set_span_in_context(root)
         for name, start, stop in phases(metrics, end):
             self._tracer.start_span(name, context=context, start_time=to_ns(start)).end(to_ns(stop))
-        if metrics.num_preemptions:
-            _add_preemption_events(root, history.segments(delta.request_id),
-                                   metrics.num_preemptions, to_ns)
+        if metrics.num_preemptions:  # the step history is read for preempted sequences only
+            _add_preemption_events(root, history.segments(delta.request_id), to_ns)
         if delta.error is not None:
             root.set_status(trace.Status(trace.StatusCode.ERROR, delta.error))
         root.end(to_ns(end))
@@ -120,6 +119,7 @@ def request_attributes(delta: RequestDelta, metrics: RequestMetrics,
         "cobatch.num_preemptions": metrics.num_preemptions,
         "cobatch.num_swaps": metrics.num_swaps,
         "cobatch.num_recomputed_tokens": metrics.num_recomputed_tokens,
+        **{f"cobatch.wait_steps.{reason}": n for reason, n in metrics.wait_steps.items()},
     }
     end = metrics.finished_time
     latencies = {
@@ -136,26 +136,21 @@ def request_attributes(delta: RequestDelta, metrics: RequestMetrics,
     return attributes
 
 
-def preemption_gaps(segments: list[Segment], num_preemptions: int) -> list[int]:
-    """Indices of the gaps most likely to be the sequence's preemptions, in time order.
-
-    A gap resumed by a recompute prefill is certainly one; other gaps (a swap, or a step whose budget
-    ran out first) fill the remaining count, earliest first. A gap always has a segment after it.
-    """
-    gaps = [i for i, s in enumerate(segments) if s.kind == UNSCHEDULED]
-    recomputed = [i for i in gaps if segments[i + 1].is_recompute]
-    ranked = recomputed + [i for i in gaps if i not in recomputed]
-    return sorted(ranked[:num_preemptions])
-
-
-def _add_preemption_events(root: Span, segments: list[Segment], num_preemptions: int,
-                           to_ns: _Converter) -> None:
-    for i in preemption_gaps(segments, num_preemptions):
-        gap = segments[i]
-        root.add_event("preempted", timestamp=to_ns(gap.start_time), attributes={
-            "cobatch.step": gap.first_step,
-            "cobatch.num_steps_unscheduled": gap.last_step - gap.first_step + 1,
-            "cobatch.resumed_by_recompute": segments[i + 1].is_recompute})
+def _add_preemption_events(root: Span, segments: list[Segment], to_ns: _Converter) -> None:
+    """One event per kept gap that a preemption began, at the step where the sequence lost its row."""
+    for gap in segments:
+        choice = gap.preemption
+        if choice is None:
+            continue
+        attributes: dict[str, str | int | float] = {
+            "cobatch.step": gap.first_step, "cobatch.preemption.mode": choice.mode,
+            "cobatch.preemption.why": choice.why,
+            "cobatch.preemption.num_computed_tokens": choice.num_computed_tokens,
+            "cobatch.num_steps_unscheduled": gap.last_step - gap.first_step + 1}
+        for name, seconds in (("recompute_s", choice.recompute_s), ("swap_s", choice.swap_s)):
+            if seconds is not None:
+                attributes[f"cobatch.preemption.predicted_{name}"] = seconds
+        root.add_event("preempted", timestamp=to_ns(gap.start_time), attributes=attributes)
 
 
 class _Converter:

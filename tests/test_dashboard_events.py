@@ -15,6 +15,7 @@ from cobatch.server.dashboard import add_dashboard_routes
 from cobatch.server.dashboard.events import request_timeline, sse, tick_event
 from cobatch.server.errors import install_error_handlers
 from cobatch.step_history import StepHistory, sequence_segments
+from cobatch.wait_reasons import PreemptionChoice, StepWaits
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,7 @@ class Step:
     num_preempted: int = 0
     kv_usage: float = 0.25
     prefix_cache_hit_rate: float = 0.5
+    waits: StepWaits = StepWaits()
 
 
 def steps(*rows: tuple[tuple[str, str, int], ...]) -> list[Step]:
@@ -65,7 +67,8 @@ def test_a_tick_names_each_request_once_and_keeps_rows_kinds_and_tokens_per_step
     assert all_decode["kinds"] == "d" and all_decode["tokens"] == []  # one token per row: implied
     assert first["ms"] == 10.0 and first["pred_ms"] == 9.0 and first["kv"] == 0.25
     assert event["finished"] == [{"id": 1, "reason": "length", "tokens": 5}]
-    assert event["why_waiting"] is None  # the empty slot until the scheduler records reasons
+    assert event["why_waiting"] == {"counts": {}, "waiting": None, "swapped": None}
+    assert tick_event("engine", "ready", [], [])["why_waiting"] is None
 
 
 def test_sse_frames_one_named_event_of_compact_json() -> None:
@@ -92,11 +95,37 @@ def test_a_request_timeline_starts_at_its_arrival_with_its_wait_and_leaves_the_w
     (seq,) = timeline["sequences"]
     assert seq["status"] == "finished" and seq["finish_reason"] == "stop" and not seq["is_truncated"]
     waiting, *rest = seq["segments"]
-    assert waiting == {"kind": "waiting", "start_ms": 0.0, "end_ms": 5.0, "wait_reason": None}
+    assert waiting["kind"] == "waiting" and (waiting["start_ms"], waiting["end_ms"]) == (0.0, 5.0)
+    assert waiting["wait_reason"] is None and waiting["wait_steps"] == {}  # no kept step: no reason
     assert [s["kind"] for s in rest] == ["prefill", "decode", "unscheduled", "prefill", "decode"]
     assert rest[0]["start_ms"] == 5.0 and all(s["wait_reason"] is None for s in rest)
     assert seq["metrics"]["num_preemptions"] == 1 and seq["metrics"]["first_token_ms"] == 15.0
     assert request_timeline("nobody", "engine", history) is None
+
+
+def waits(held: tuple[tuple[str, str], ...] = (), waiting: str | None = None,
+          swapped: str | None = None, preempted: tuple[str, str] | None = None) -> StepWaits:
+    choices = (PreemptionChoice(preempted[0], 0, preempted[1], "configured", 9),) if preempted else ()
+    return StepWaits(held=held, waiting_reason=waiting, swapped_reason=swapped, preemptions=choices)
+
+
+def test_a_gap_says_why_from_the_steps_wait_records_and_a_swap_waits_with_the_swapped_queue() -> None:
+    rows = [(("a", "d", 1),), (), (), (("a", "d", 1),), (), (), (("a", "d", 1),)]
+    gap_waits = [waits(), waits(held=(("a", "preempted"),), preempted=("a", "recompute")),
+                 waits(waiting="max_num_seqs", swapped="kv_blocks"), waits(),
+                 waits(held=(("a", "preempted"),), preempted=("a", "swap")),
+                 waits(waiting="max_num_seqs", swapped="kv_blocks"), waits()]
+    history = [Step(i, tuple(r[0] for r in row), "".join(r[1] for r in row), tuple(r[2] for r in row),
+                    start_time=i * 0.01, waits=w) for i, (row, w) in enumerate(zip(rows, gap_waits))]
+    gaps = [s for s in sequence_segments(history, "a") if s.kind == "unscheduled"]
+    assert [g.wait_steps for g in gaps] == [(("preempted", 1), ("max_num_seqs", 1)),
+                                            (("preempted", 1), ("kv_blocks", 1))]
+    assert [g.preemption.mode for g in gaps] == ["recompute", "swap"]
+    # Waiting from its arrival (15 ms) to its first row, behind the queue's head.
+    waited = sequence_segments(history[2:4], "a", waited=(0.015, 0.03))
+    assert waited[0].kind == "waiting" and waited[0].wait_steps == (("max_num_seqs", 1),)
+    assert waited[0].wait_reason == "max_num_seqs"
+    assert sequence_segments(history[3:], "a", waited=(0.0, 0.01))[0].kind == "decode"  # row not kept
 
 
 def test_n_samples_are_one_request_with_a_sequence_each() -> None:

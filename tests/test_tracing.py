@@ -12,7 +12,6 @@ from cobatch.config import SchedulerConfig
 from cobatch.engine import Engine
 from cobatch.outputs import RequestMetrics
 from cobatch.sampling_params import SamplingParams
-from cobatch.step_history import Segment
 from tests.fakes import FakeRunner
 from tests.test_async_engine import collect, make_engine, params, run, started
 
@@ -23,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind  # noqa: E402
 
 from cobatch.tracing import (RequestTracer, build_tracer, phases,  # noqa: E402
-                             preemption_gaps, request_attributes, traces_url)
+                             request_attributes, traces_url)
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -86,7 +85,11 @@ def test_a_preempted_request_carries_one_event_per_preemption_at_the_step_it_los
         events = [e for e in root.events if e.name == "preempted"]
         assert len(events) == root.attributes["cobatch.num_preemptions"]
         assert all(root.start_time < e.timestamp < root.end_time for e in events)
-        assert all(e.attributes["cobatch.num_steps_unscheduled"] >= 1 for e in events)
+        for event in events:
+            assert event.attributes["cobatch.num_steps_unscheduled"] >= 1
+            assert event.attributes["cobatch.preemption.mode"] == "recompute"  # the default mode
+            assert event.attributes["cobatch.preemption.why"] == "configured"
+        assert root.attributes["cobatch.wait_steps.preempted"] == len(events)
 
 
 def test_phases_stop_where_the_sequence_got_before_it_ended() -> None:
@@ -96,16 +99,6 @@ def test_phases_stop_where_the_sequence_got_before_it_ended() -> None:
     assert phases(prefilling, end=3.0) == [("queue", 1.0, 2.0), ("prefill", 2.0, 3.0)]
     assert "gen_ai.latency.time_to_first_token" not in request_attributes(
         _delta(prefilling), prefilling, "m")
-
-
-def test_preemption_gaps_prefer_those_resumed_by_a_recompute() -> None:
-    def seg(kind: str, step: int, recompute: bool = False) -> Segment:
-        return Segment(kind, step, step, 1, float(step), float(step) + 1, is_recompute=recompute)
-
-    segments = [seg("prefill", 0), seg("unscheduled", 1), seg("decode", 2), seg("unscheduled", 3),
-                seg("prefill", 4, recompute=True), seg("decode", 5)]
-    assert preemption_gaps(segments, 1) == [3]
-    assert preemption_gaps(segments, 2) == [1, 3]
 
 
 def test_traces_url_adds_the_otlp_path_only_to_a_bare_collector_url() -> None:

@@ -10,7 +10,10 @@ One `tick` event per replica per interval carries the steps since the last one:
                 "running": 2, "waiting": 0, "swapped": 0, "kv": 0.31, "hit": 0.12,
                 "gen": 1, "prefill": 64, "decode": 1, "preempted": 0}],
      "finished": [{"id": 1, "reason": "length", "tokens": 32}],
-     "why_waiting": null}                               # filled once the scheduler records reasons
+     "why_waiting": {"counts": {"max_num_seqs": 3}, "waiting": "max_num_seqs", "swapped": null}}
+
+`why_waiting` is the newest step's StepStats.waits (sequences without a row by reason, and the reason
+each queue's unexamined sequences wait for); null in a tick without steps.
 
 `kinds` uses StepStats.row_kinds' letters: "p" prefill chunk, "d" decode, "x" padding.
 """
@@ -22,11 +25,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from cobatch.async_engine import EngineInfo
 from cobatch.outputs import RequestDelta, RequestMetrics
-from cobatch.step_history import Segment, StepHistory, StepRecord
+from cobatch.step_history import UNSCHEDULED, WAITING, Segment, StepHistory, StepRecord
+from cobatch.wait_reasons import PreemptionChoice, StepWaits
 
 SCHEMA_VERSION = 1
-# The page's slot for "why is it waiting": None until the scheduler records wait reasons (issue 22).
-NO_WAIT_REASONS = None
 
 
 def sse(event: str, payload: Mapping[str, object]) -> str:
@@ -50,7 +52,7 @@ def _info(info: EngineInfo | None) -> dict[str, object]:
             "max_model_len": info.max_model_len}
 
 
-def tick_event(replica: str, state: str, steps: Iterable[StepRecord],
+def tick_event(replica: str, state: str, steps: Sequence[StepRecord],
                finished: Sequence[RequestDelta]) -> dict[str, object]:
     """The steps and finishes one replica recorded since the last tick."""
     index: dict[str, int] = {}  # id -> its place in the table, in insertion order
@@ -63,7 +65,13 @@ def tick_event(replica: str, state: str, steps: Iterable[StepRecord],
     finished_dicts = [{"id": i, "reason": d.finish_reason, "tokens": d.num_output_tokens}
                       for i, d in zip(finished_ids, finished)]
     return {"type": "tick", "replica": replica, "state": state, "ids": list(index),
-            "steps": step_dicts, "finished": finished_dicts, "why_waiting": NO_WAIT_REASONS}
+            "steps": step_dicts, "finished": finished_dicts,
+            "why_waiting": _why_waiting(steps[-1].waits) if steps else None}
+
+
+def _why_waiting(waits: StepWaits) -> dict[str, object]:
+    return {"counts": dict(waits.counts), "waiting": waits.waiting_reason,
+            "swapped": waits.swapped_reason}
 
 
 def step_dict(stats: StepRecord, refs: Callable[[Iterable[str]], list[int]]) -> dict[str, object]:
@@ -94,8 +102,11 @@ def request_timeline(request_id: str, replica: str, history: StepHistory) -> dic
         return None
     finished = {d.request_id: d for d in history.finished_of(request_id)}
     first_kept = history.steps[0] if history.steps else None
-    sequences = [sequence_timeline(seq_id, history.segments(seq_id), finished.get(seq_id), first_kept)
-                 for seq_id in seq_ids]
+    sequences = []
+    for seq_id in seq_ids:
+        delta = finished.get(seq_id)
+        segments = history.segments(seq_id, _waited(delta))
+        sequences.append(sequence_timeline(seq_id, segments, delta, first_kept))
     return {"request_id": request_id, "replica": replica, "sequences": sequences,
             "window": {"first_step": first_kept.step if first_kept else None,
                        "last_step": history.steps[-1].step if history.steps else None}}
@@ -106,9 +117,7 @@ def sequence_timeline(seq_id: str, segments: list[Segment], delta: RequestDelta 
     """One sequence's segments in ms from its arrival (or its first kept step, before it finishes)."""
     metrics = delta.metrics if delta is not None else None
     origin = metrics.arrival_time if metrics else (segments[0].start_time if segments else 0.0)
-    is_scheduled = metrics is not None and metrics.first_scheduled_time is not None
-    items = [_waiting(metrics, origin)] if metrics is not None and is_scheduled else []
-    items += [_segment_dict(s, origin) for s in segments]
+    items = [_segment_dict(s, origin) for s in segments]
     return {
         "id": seq_id, "status": "finished" if delta is not None else "live",
         "finish_reason": delta.finish_reason if delta else None,
@@ -123,29 +132,43 @@ def _ms(t: float, origin: float) -> float:
     return round((t - origin) * 1e3, 3)
 
 
-def _waiting(metrics: RequestMetrics, origin: float) -> dict[str, object]:
-    assert metrics.first_scheduled_time is not None
-    return {"kind": "waiting", "start_ms": _ms(metrics.arrival_time, origin),
-            "end_ms": _ms(metrics.first_scheduled_time, origin), "wait_reason": NO_WAIT_REASONS}
+def _waited(delta: RequestDelta | None) -> tuple[float, float] | None:
+    """(arrival, first scheduled) of a finished sequence that got a row: its wait can be drawn."""
+    metrics = delta.metrics if delta is not None else None
+    if metrics is None or metrics.first_scheduled_time is None:
+        return None
+    return metrics.arrival_time, metrics.first_scheduled_time
 
 
 def _segment_dict(segment: Segment, origin: float) -> dict[str, object]:
+    preemption = segment.preemption
     return {"kind": segment.kind, "first_step": segment.first_step, "last_step": segment.last_step,
             "num_tokens": segment.num_tokens, "start_ms": _ms(segment.start_time, origin),
             "end_ms": _ms(segment.end_time, origin), "is_recompute": segment.is_recompute,
-            "wait_reason": segment.wait_reason}
+            "wait_reason": segment.wait_reason, "wait_steps": dict(segment.wait_steps),
+            "preemption": _preemption_dict(preemption) if preemption else None}
+
+
+def _preemption_dict(choice: PreemptionChoice) -> dict[str, object]:
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else round(seconds * 1e3, 3)
+
+    return {"mode": choice.mode, "why": choice.why, "num_computed_tokens": choice.num_computed_tokens,
+            "recompute_ms": ms(choice.recompute_s), "swap_ms": ms(choice.swap_s)}
 
 
 def _is_truncated(segments: list[Segment], metrics: RequestMetrics | None,
                   first_kept: StepRecord | None) -> bool:
     """Whether steps of the sequence may have left the kept window already (steps count from 0)."""
-    if first_kept is None or not segments:
-        return metrics is not None and metrics.first_scheduled_time is not None
+    started = metrics.first_scheduled_time if metrics else None
+    if first_kept is None:
+        return started is not None  # it had rows, and every step has gone
     if first_kept.step == 0:
         return False  # nothing was dropped yet
-    started = metrics.first_scheduled_time if metrics else None
-    return segments[0].first_step <= first_kept.step or (
-        started is not None and started < first_kept.start_time)
+    if started is not None:
+        return started < first_kept.start_time
+    rows = [s for s in segments if s.kind not in (WAITING, UNSCHEDULED)]
+    return not rows or rows[0].first_step <= first_kept.step
 
 
 def _metrics_dict(delta: RequestDelta, metrics: RequestMetrics, origin: float) -> dict[str, object]:
@@ -156,4 +179,6 @@ def _metrics_dict(delta: RequestDelta, metrics: RequestMetrics, origin: float) -
             "first_token_ms": ms(metrics.first_token_time), "finished_ms": ms(metrics.finished_time),
             "num_prompt_tokens": delta.num_prompt_tokens, "num_output_tokens": delta.num_output_tokens,
             "num_cached_tokens": metrics.num_cached_tokens, "num_preemptions": metrics.num_preemptions,
-            "num_swaps": metrics.num_swaps, "num_recomputed_tokens": metrics.num_recomputed_tokens}
+            "num_swaps": metrics.num_swaps, "num_recomputed_tokens": metrics.num_recomputed_tokens,
+            "wait_steps": dict(metrics.wait_steps),
+            "preemptions": [{"step": p.step, **_preemption_dict(p)} for p in metrics.preemptions]}

@@ -274,6 +274,17 @@
     return { tokens: generated / span, prefill: prefilled / span };
   }
 
+  function whyText(why) { // the newest step's sequences without a row, by reason
+    if (!why) return "why: –";
+    const counts = Object.entries(why.counts).sort((a, b) => b[1] - a[1]);
+    return counts.length ? `why: ${counts.map(([reason, n]) => `${reason} ${n}`).join(", ")}` : "why: nobody waits";
+  }
+
+  function reasonList(waitSteps) {
+    return Object.entries(waitSteps || {}).sort((a, b) => b[1] - a[1])
+      .map(([reason, n]) => `${escapeHtml(reason)} (${n} step${n === 1 ? "" : "s"})`).join(", ");
+  }
+
   function mean(values) { return values.length ? values.reduce((a, b) => a + b, 0) / values.length : 0; }
 
   function drawTiles(r) {
@@ -284,7 +295,7 @@
     const predicted = mean(recent.map((s) => s.pred_ms));
     $("t-running").textContent = last.running;
     $("t-waiting").textContent = last.waiting;
-    $("t-why").textContent = r.whyWaiting ? "why: see the timelines" : "why: not recorded yet";
+    $("t-why").textContent = whyText(r.whyWaiting);
     $("t-swapped").textContent = last.swapped;
     $("t-kv").textContent = `${(last.kv * 100).toFixed(1)} %`;
     $("t-hit").textContent = `${(last.hit * 100).toFixed(1)} %`;
@@ -384,7 +395,8 @@
     const rows = [["queue (to first scheduled)", ms(m.first_scheduled_ms)], ["time to first token", ms(m.first_token_ms)],
       ["end to end", ms(m.finished_ms)], ["prompt tokens (cached)", `${m.num_prompt_tokens} (${m.num_cached_tokens})`],
       ["output tokens", m.num_output_tokens], ["preemptions · swaps", `${m.num_preemptions} · ${m.num_swaps}`],
-      ["recomputed tokens", m.num_recomputed_tokens]];
+      ["recomputed tokens", m.num_recomputed_tokens],
+      ["steps without a row", reasonList(m.wait_steps) || "none"]];
     return `<dl class="metrics">${rows.map(([k, v]) => `<dt>${k}</dt><dd>${v}</dd>`).join("")}</dl>`;
   }
 
@@ -409,17 +421,26 @@
     const rows = segments.map((s) => {
       const steps = s.first_step === undefined ? "" : s.first_step === s.last_step ? s.first_step : `${s.first_step}–${s.last_step}`;
       const kind = s.kind === "unscheduled" ? "no row (preempted or held)" : s.is_recompute ? "prefill (recompute)" : s.kind;
-      return `<tr class="segment ${s.kind}"><td>${kind}</td><td>${steps}</td><td>${s.num_tokens ?? ""}</td>` +
-        `<td>${formatMs(s.end_ms - s.start_ms)}</td></tr>`;
+      const why = s.preemption ? `preempted: ${s.preemption.mode}` : (s.wait_reason || "");
+      return `<tr class="segment ${s.kind}"><td>${kind}</td><td>${steps}</td><td>${s.num_tokens || ""}</td>` +
+        `<td>${escapeHtml(why)}</td><td>${formatMs(s.end_ms - s.start_ms)}</td></tr>`;
     }).join("");
-    return `<table class="segments"><tr><th>what</th><th>steps</th><th>tokens</th><th>for</th></tr>${rows}</table>`;
+    return `<table class="segments"><tr><th>what</th><th>steps</th><th>tokens</th><th>why</th><th>for</th></tr>${rows}</table>`;
   }
 
-  function renderWhy(segments) {
-    const reasons = segments.filter((s) => s.wait_reason).map((s) => `${s.kind}: ${escapeHtml(s.wait_reason)}`);
-    const waits = segments.some((s) => s.kind === "waiting" || s.kind === "unscheduled");
-    if (reasons.length) return `<p class="why">Why it waited: ${reasons.join("; ")}</p>`;
-    return waits ? `<p class="why">Why it waited: not recorded yet (the scheduler does not report wait reasons).</p>` : "";
+  function renderWhy(segments) { // each wait and gap: its steps by reason, and the preemption that began it
+    const lines = segments.filter((s) => s.wait_steps && Object.keys(s.wait_steps).length).map((s) => {
+      const what = s.kind === "waiting" ? "waiting" : `no row from step ${s.first_step}`;
+      return `${what}: ${reasonList(s.wait_steps)}${preemptionText(s.preemption)}`;
+    });
+    return lines.length ? `<p class="why">Why it waited: ${lines.join("; ")}.</p>` : "";
+  }
+
+  function preemptionText(p) {
+    if (!p) return "";
+    const costs = p.recompute_ms !== null || p.swap_ms !== null
+      ? `, predicted recompute ${formatMs(p.recompute_ms)} vs swap ${formatMs(p.swap_ms)}` : "";
+    return ` (preempted by ${escapeHtml(p.mode)}: ${escapeHtml(p.why)}, ${p.num_computed_tokens} tokens of KV${costs})`;
   }
 
   // ---- wiring ----------------------------------------------------------------------------------------
