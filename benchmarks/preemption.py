@@ -1,0 +1,121 @@
+"""preemption_mode recompute vs swap vs auto under memory pressure, on short and on long contexts.
+
+One loaded model, a fresh engine per run (fresh step-time model and copy-time estimate: auto learns both
+during the run), the three modes alternating in rotated order (the host is noisy: compare side by side).
+Useful tokens/s (ignore EOS, fixed output lengths), preemptions, what each mode paid (recomputed
+tokens, swaps), auto's choices with its mean predicted costs, and the measured copy time per block.
+
+    .venv/bin/python -m benchmarks.preemption [--repeats 2] [--output-json docs/bench/preemption.json]
+        [--plot docs/img/preemption.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+
+from cobatch.bench import plots
+from cobatch.bench.common import write_json
+from cobatch.bench.datasets import BenchRequest, LengthSpec, WorkloadSpec, synthesize
+from cobatch.bench.offline import wait_summary
+from cobatch.bench.runs import EngineFactory, run_workload, warm_up
+from cobatch.config import EngineConfig
+
+MODES = ("recompute", "swap", "auto")
+MAX_MODEL_LEN = 640  # the pool must hold one such sequence: a small pool stays legal
+MAX_NUM_SEQS = 16
+# name -> (requests, prompt tokens, output tokens, KV blocks of 16 tokens). Admission sees only the
+# prompts: the admitted sequences then outgrow the pool, and the newest is preempted.
+WORKLOADS = {
+    "short": (24, "8-16", "48-80", 40),  # ~80 tokens each; 16 seats, the pool holds 640 tokens
+    "long": (6, "256-320", "128-160", 64),  # ~430 tokens each; 3 admitted, the pool holds 1024
+}
+
+
+def run_mode(factory: EngineFactory, requests: list[BenchRequest], num_kv_blocks: int, mode: str) -> dict:
+    """One run of `requests` under preemption `mode` in a pool of `num_kv_blocks`."""
+    engine = factory.make(max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=num_kv_blocks, preemption_mode=mode)
+    result = run_workload(engine, requests, mode)
+    waits = wait_summary(result)
+    return {"mode": mode, "tokens_per_s": result.tokens_per_s, "duration_s": result.duration_s,
+            "num_steps": len(result.stats), "num_preemptions": result.num_preemptions,
+            "num_recomputed_tokens": result.num_recomputed_tokens, "num_swaps": result.num_swaps,
+            "preemptions_by_mode": waits["preemptions_by_mode"],
+            "mean_predicted_s": waits.get("mean_predicted_s"),
+            "copy_s_per_block": engine.copy_time.seconds_per_block, "wait_steps": waits["wait_steps"]}
+
+
+def compare_modes(factory: EngineFactory, name: str, repeats: int) -> dict:
+    """Every mode `repeats` times on one workload, rotating which goes first."""
+    num, inputs, outputs, num_kv_blocks = WORKLOADS[name]
+    requests = synthesize(WorkloadSpec(num, LengthSpec.parse(inputs), LengthSpec.parse(outputs), seed=7))
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for repeat in range(repeats):
+        for mode in MODES[repeat % 3:] + MODES[:repeat % 3]:
+            run = run_mode(factory, requests, num_kv_blocks, mode)
+            runs[mode].append(run)
+            print(f"{name:>6} {mode:>9}: {run['tokens_per_s']:7.1f} tok/s, {run['num_preemptions']:3d} "
+                  f"preemptions {run['preemptions_by_mode']}, {run['num_recomputed_tokens']} recomputed "
+                  f"tokens, {run['num_swaps']} swaps")
+    median = {mode: statistics.median(r["tokens_per_s"] for r in rs) for mode, rs in runs.items()}
+    best_fixed = max(median["recompute"], median["swap"])
+    return {"workload": name, "num_requests": num, "input_len": inputs, "output_len": outputs,
+            "num_kv_blocks": num_kv_blocks, "pool_tokens": num_kv_blocks * factory.config.block_size,
+            "median_tokens_per_s": median, "auto_vs_best_fixed": median["auto"] / best_fixed,
+            "runs": runs}
+
+
+def plot(results: list[dict], path: str) -> str:
+    """One panel per workload: median tok/s per mode, preemptions and the modes auto took above the bars."""
+    fig, axes = plots.new_figure(1, len(results), width=5.0 * len(results), height=4.2)
+    for ax, result in zip(axes, results):
+        medians = result["median_tokens_per_s"]
+        bars = ax.bar(list(medians), list(medians.values()), color=["C0", "C1", "C2"])
+        labels = []
+        for mode in medians:
+            last = result["runs"][mode][-1]
+            taken = ", ".join(f"{n} {m}" for m, n in sorted(last["preemptions_by_mode"].items()))
+            labels.append(f"{medians[mode]:.0f}\n{taken or 'no preemption'}")
+        ax.bar_label(bars, labels=labels, fontsize="small")
+        ax.set(title=f"{result['workload']} contexts ({result['input_len']} + {result['output_len']} "
+                     f"tokens, pool {result['pool_tokens']})", ylabel="useful tokens/s")
+        ax.set_ylim(0, 1.25 * max(medians.values()))
+        ax.grid(axis="y", alpha=0.3)
+    return str(plots.save(fig, path))
+
+
+def machine(factory: EngineFactory) -> dict:
+    """Where and how the figures were measured."""
+    import torch
+
+    runner = factory.runner
+    bytes_per_block = runner.kv_bytes_per_token * factory.config.block_size  # type: ignore[attr-defined]
+    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "dtype": str(runner.dtype).removeprefix("torch."),  # type: ignore[attr-defined]
+            "kv_bytes_per_block": bytes_per_block, "num_swap_blocks": runner.num_swap_blocks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--output-json", default="docs/bench/preemption.json")
+    parser.add_argument("--plot", default="docs/img/preemption.png")
+    args = parser.parse_args()
+    factory = EngineFactory.load(EngineConfig(max_model_len=MAX_MODEL_LEN, swap_space=0.5))
+    warm_up(factory)
+    results = [compare_modes(factory, name, args.repeats) for name in WORKLOADS]
+    for result in results:
+        m = result["median_tokens_per_s"]
+        print(f"{result['workload']}: recompute {m['recompute']:.1f}, swap {m['swap']:.1f}, auto "
+              f"{m['auto']:.1f} tok/s; auto / best fixed {result['auto_vs_best_fixed']:.2f}")
+    report = {"machine": machine(factory), "results": results}
+    print(f"wrote {write_json(args.output_json, report)}")
+    print(f"wrote {plot(results, args.plot)}")
+
+
+if __name__ == "__main__":
+    main()
