@@ -135,3 +135,13 @@ def test_shared_prefix_blocks_are_not_priced_as_recomputed() -> None:
     assert sched._predict_preemption(sched.requests["b"]) == (1.0, 0.1)
     num_tokens, num_cached, _ = engine.calls[0]  # type: ignore[attr-defined]
     assert num_cached == 12 and num_tokens == sched.requests["b"].num_computed_tokens
+
+
+def test_the_model_runner_times_its_swap_copies() -> None:
+    from tests.runner_helpers import runner_for, tiny_hf_model  # torch only here
+
+    runner = runner_for(tiny_hf_model("llama"), num_swap_blocks=4)
+    out = runner.execute(SchedulerOutput(rows=(), blocks_to_swap_out=((0, 0), (1, 1)),
+                                         blocks_to_swap_in=((2, 2),)))
+    assert out.num_copied_blocks == 3 and out.copy_s > 0.0
+    assert runner.execute(SchedulerOutput(rows=())).copy_s == 0.0
