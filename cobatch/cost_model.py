@@ -78,8 +78,11 @@ class StepTimeModel:
             return self.coefficients
         # The ridge is relative to each feature's own scale: context tokens are ~1e3x the row count,
         # so one shared ridge sized by the largest feature would shrink the constant and per-row terms.
+        # The constant is not penalised: when the steps seen do not vary a feature (all batch-1
+        # decode, say), their time stays in c0 instead of being split into per-row and per-token
+        # slopes that a 200-token prefill would then multiply into seconds.
         top = max(self._xtx[i][i] for i in range(NUM_FEATURES)) or 1.0
-        matrix = [[v + (self.ridge * (self._xtx[i][i] or top) if i == j else 0.0)
+        matrix = [[v + (self.ridge * (self._xtx[i][i] or top) if i == j and i > 0 else 0.0)
                    for j, v in enumerate(row)] for i, row in enumerate(self._xtx)]
         self.coefficients = tuple(max(c, 0.0) for c in solve(matrix, self._xty))
         self._dirty = False

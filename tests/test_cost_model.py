@@ -99,3 +99,12 @@ def test_max_batch_for_slo_and_batch_ratio() -> None:
     assert max_batch_for_slo(model, 1e6, 128, limit=64) == 64
     t1, t32 = 0.020 + 0.002 + 0.00001 * 129, 0.020 + 0.064 + 0.00001 * 32 * 129
     assert batch_ratio(samples, 128) == pytest.approx(t32 / t1)
+
+
+def test_steps_of_one_shape_stay_in_the_constant_and_do_not_inflate_a_prefill() -> None:
+    """Batch-1 decode steps only (rows and tokens never vary): a prefill is not priced as many steps."""
+    model = StepTimeModel()
+    for i in range(16):
+        model.observe(1, 1, 170 + i, 0.1)
+    assert model.predict(1, 1, 175) == pytest.approx(0.1, rel=1e-3)
+    assert model.predict(1, 170, 170) == pytest.approx(0.1, rel=0.05)

@@ -221,8 +221,22 @@ def test_a_retry_replaces_its_earlier_booking_and_completion_clears_it() -> None
     state.decide(query("q", list(range(16))), ["r1", "r2"], NOW)
     state.decide(query("q", list(range(16))), ["r1", "r2"], NOW)
     assert len(state.ledger) == 1
-    state.complete("q")
+    state.complete("q", NOW)
     assert len(state.ledger) == 0
+
+
+def test_a_request_finished_since_the_last_record_no_longer_loads_its_replica() -> None:
+    state = state_with(fake_stats("r1"), fake_stats("r2"))
+    assert state.decide(query("q", list(range(16))), ["r1", "r2"], NOW).chosen == "r1"
+    # The next record shows it running on r1; then it finishes before the record after that.
+    state.update_stats(fake_stats("r1", time_s=NOW + 0.5, num_running=1, num_running_tokens=16))
+    assert state.decide(query("q2", list(range(100, 116))), ["r1", "r2"], NOW + 0.6).chosen == "r2"
+    state.complete("q", NOW + 0.7)
+    assert state.ledger.finished_load("r1").num_requests == 1
+    state.complete("q2", NOW + 0.7)
+    assert state.decide(query("q3", list(range(200, 216))), ["r1", "r2"], NOW + 0.8).chosen == "r1"
+    state.update_stats(fake_stats("r1", time_s=NOW + 1.0))  # a newer record: nothing to take off
+    assert state.ledger.finished_load("r1").num_requests == 0
 
 
 def test_stale_stats_are_marked_penalised_and_keep_local_bookkeeping() -> None:

@@ -303,6 +303,8 @@ class RoutedEngine:
     def _on_lost(self, live: _Live, leg: Leg, replica: str | None, exc: BaseException) -> None:
         """Continue each unfinished sequence of the leg on another replica, within the limit."""
         progress = live.progress
+        if self._live.get(progress.request_id) is not live:
+            return  # aborted meanwhile: nobody reads its stream any more
         if replica is not None:
             live.lost.add(replica)
         if progress.num_migrations >= self.max_migrations:

@@ -1,12 +1,14 @@
-"""The router's own ledger of requests it routed that a replica's last stats record does not show yet.
+"""The router's own ledger of the requests it routed, against what a replica's last stats record shows.
 
 Stats arrive every ~0.5 s; decisions come in bursts. Without this ledger every decision in a burst
 would see the same "idle" snapshot and pick the same replica (herding). An entry counts as load on
-its replica until a stats record measured after it arrived there, or its completion, retires it.
+its replica until a stats record measured after it arrived there, or its completion, retires it; a
+request that finishes after a record showed it is taken off that record until a newer one arrives.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -46,43 +48,73 @@ def total_load(requests: Iterable[InFlightRequest]) -> InFlightLoad:
 
 
 class InFlightLedger:
-    """Routed-but-not-yet-reported requests, per replica."""
+    """Routed requests a replica's stats may misstate, per replica, both ways.
 
-    def __init__(self) -> None:
-        self._by_replica: dict[str, dict[str, InFlightRequest]] = {}
-        self._replica_of: dict[str, str] = {}  # request id -> replica id
+    *Unreported*: routed, but not in a stats record yet (they count as extra load). *Finished*: in the
+    last record, but done since (their load is taken off the record, so a replica that just emptied
+    does not look busy for the rest of a stats period).
+    """
+
+    def __init__(self, max_reported: int = 65536) -> None:
+        self._by_replica: dict[str, dict[str, InFlightRequest]] = {}  # unreported
+        self._replica_of: dict[str, str] = {}  # request id -> replica id, of the unreported
+        self._reported: OrderedDict[str, InFlightRequest] = OrderedDict()  # in stats, not done yet
+        self._finished: dict[str, list[tuple[float, InFlightRequest]]] = {}  # replica -> (when, what)
+        self._max_reported = max_reported  # a request routed but never dispatched never completes
 
     def add(self, request: InFlightRequest) -> None:
         """Record a decision; a re-route of the same request (a retry) replaces the earlier one."""
-        self.complete(request.request_id)
+        self._drop(request.request_id)
         self._by_replica.setdefault(request.replica_id, {})[request.request_id] = request
         self._replica_of[request.request_id] = request.replica_id
 
-    def complete(self, request_id: str) -> None:
+    def complete(self, request_id: str, now_s: float) -> None:
+        """The request is done: no more load, and off its replica's stats until a newer record."""
+        request = self._reported.pop(request_id, None)
+        if request is not None:
+            self._finished.setdefault(request.replica_id, []).append((now_s, request))
+        self._drop(request_id)
+
+    def _drop(self, request_id: str) -> None:
         replica_id = self._replica_of.pop(request_id, None)
         if replica_id is not None:
             self._by_replica.get(replica_id, {}).pop(request_id, None)
+        self._reported.pop(request_id, None)
 
     def retire_reflected(self, replica_id: str, stats_time_s: float) -> None:
-        """Drop the entries a stats record measured at `stats_time_s` already counts."""
+        """A record measured at `stats_time_s` counts the requests that arrived before it, and no
+        longer counts the ones that finished before it."""
         entries = self._by_replica.get(replica_id, {})
         for request_id in [rid for rid, r in entries.items()
                            if r.routed_s + ARRIVAL_MARGIN_S <= stats_time_s]:
-            del entries[request_id]
+            self._reported[request_id] = entries.pop(request_id)
             del self._replica_of[request_id]
+        while len(self._reported) > self._max_reported:
+            self._reported.popitem(last=False)
+        finished = self._finished.get(replica_id)
+        if finished:
+            finished[:] = [(t, r) for t, r in finished if t > stats_time_s]
 
     @property
     def replica_ids(self) -> set[str]:
-        return set(self._by_replica)
+        return set(self._by_replica) | {r for r, done in self._finished.items() if done}
 
     def load(self, replica_id: str) -> InFlightLoad:
+        """What the replica's last record does not show yet."""
         return total_load(self._by_replica.get(replica_id, {}).values())
 
+    def finished_load(self, replica_id: str) -> InFlightLoad:
+        """What the replica's last record shows but has finished since."""
+        return total_load(r for _, r in self._finished.get(replica_id, ()))
+
     def remove_replica(self, replica_id: str) -> list[InFlightRequest]:
-        """Forget a dead replica's entries; returns them (the requests that were heading there)."""
+        """Forget a dead replica's entries; returns the unreported ones (the requests heading there)."""
         entries = list(self._by_replica.pop(replica_id, {}).values())
         for request in entries:
             self._replica_of.pop(request.request_id, None)
+        for request_id in [rid for rid, r in self._reported.items() if r.replica_id == replica_id]:
+            del self._reported[request_id]
+        self._finished.pop(replica_id, None)
         return entries
 
     def __len__(self) -> int:

@@ -51,7 +51,7 @@ class CobatchRouter(RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         request_id = self._request_of.pop(internal_request_id, None)
         if request_id is not None:
-            self.state.complete(request_id)
+            self.state.complete(request_id, time.time())
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None

@@ -7,10 +7,11 @@ of these from the router's one event loop, so nothing here needs a lock.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from cobatch.ray.inflight import InFlightLedger, InFlightRequest
+from cobatch.ray.inflight import InFlightLedger, InFlightLoad, InFlightRequest
 from cobatch.ray.prefix_index import PrefixIndex, max_cached_blocks, prompt_block_hashes
 from cobatch.ray.scoring import (
     CandidateScore, Coefficients, ReplicaStats, RouteQuery, RouterConfig, RoutingDecision, choose,
@@ -60,9 +61,9 @@ class RoutingState:
         self.ledger.remove_replica(replica_id)
         self.index.remove_replica(replica_id)
 
-    def complete(self, request_id: str) -> None:
-        """The request finished (or failed) on its replica: it is no longer load we must guess."""
-        self.ledger.complete(request_id)
+    def complete(self, request_id: str, now_s: float) -> None:
+        """The request finished (or failed) on its replica: no longer load, in stats or not yet."""
+        self.ledger.complete(request_id, now_s)
 
     # ---- deciding -------------------------------------------------------------------------------
 
@@ -83,6 +84,7 @@ class RoutingState:
         has_stats = stats is not None
         if stats is None:
             stats = idle_stats(replica_id, now_s, self._template(), self.block_size)
+        stats = without_finished(stats, self.ledger.finished_load(replica_id))
         return score_candidate(query, stats, self.ledger.load(replica_id),
                                self.index.num_matched_blocks(replica_id, usable_hashes), now_s,
                                self.config, self._fallback_coefficients(), has_stats)
@@ -109,3 +111,13 @@ class RoutingState:
             if any(stats.step_coefficients):
                 return stats.step_coefficients
         return self.config.prior_coefficients
+
+
+def without_finished(stats: ReplicaStats, finished: InFlightLoad) -> ReplicaStats:
+    """A record less the requests that finished since it was measured: their seats, context and blocks."""
+    if not finished.num_requests:
+        return stats
+    return dataclasses.replace(
+        stats, num_running=max(stats.num_running - finished.num_requests, 0),
+        num_running_tokens=max(stats.num_running_tokens - finished.num_prompt_tokens, 0),
+        num_kv_blocks_free=min(stats.num_kv_blocks_free + finished.num_new_blocks, stats.num_kv_blocks))
