@@ -54,9 +54,11 @@ class Setup:
     probes_hop: bool = False  # measure lone requests' TTFT here too
 
 
-def setups(kv_blocks: int) -> list[Setup]:
-    two = ("--replicas", "2", "--num-threads", "1", "--num-kv-blocks", str(kv_blocks))
-    one = ("--num-threads", "2", "--num-kv-blocks", str(2 * kv_blocks))
+def setups(kv_blocks: int, max_model_len: int) -> list[Setup]:
+    # A small KV pool on purpose: what a replica can cache is what routing by prefix is about.
+    common = ("--max-model-len", str(max_model_len))
+    two = ("--replicas", "2", "--num-threads", "1", "--num-kv-blocks", str(kv_blocks), *common)
+    one = ("--num-threads", "2", "--num-kv-blocks", str(2 * kv_blocks), *common)
     return [Setup("cobatch-2x1", (*two, "--router", "cobatch")),
             Setup("pow2-2x1", (*two, "--router", "power_of_two")),
             Setup("rr-2x1", (*two, "--router", "round_robin")),
@@ -95,7 +97,11 @@ class Server:
                "--log-level", "warning", *setup.flags]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        wait_ready(self.base_url, self.proc, _READY_TIMEOUT_S, Path(self._log.name))
+        try:
+            wait_ready(self.base_url, self.proc, _READY_TIMEOUT_S, Path(self._log.name))
+        except BaseException:  # not ready, or interrupted: no server (nor its Ray) left behind
+            self.stop()
+            raise
 
     def resident_mb(self) -> float:
         """RSS of the server and every process under it (Ray's gcs, raylet, workers, replicas)."""
@@ -198,19 +204,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default=None, help="MODEL for cobatch serve (default: the bundled SmolLM2-135M)")
     add("--system-prompts", type=int, default=8)
-    add("--users", type=int, default=32, help="requests per system prompt")
+    add("--users", type=int, default=16, help="requests per system prompt")
     add("--system-len", type=int, default=256, help="tokens of each system prompt")
     add("--user-len", type=int, default=32, help="tokens of each user's own part")
     add("--output-len", type=int, default=32)
-    add("--kv-blocks", type=int, default=112, help="KV blocks per one-thread replica (x2 for 1x2)")
+    add("--kv-blocks", type=int, default=128, help="KV blocks per one-thread replica (x2 for 1x2)")
     add("--max-concurrency", type=int, default=16)
-    add("--tpot-slo-ms", type=float, default=100.0)
+    add("--tpot-slo-ms", type=float, default=250.0, help="goodput: requests within this TPOT")
     add("--only", default=None, help="comma-separated setup names")
     add("--output", default=str(ROOT / "docs" / "bench" / "scaling.json"))
     add("--seed", type=int, default=0)
 
 
+def _interrupt(sig: int, frame: object) -> None:
+    raise KeyboardInterrupt  # so a SIGTERM still stops the server (and its Ray) under measurement
+
+
 def main(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     log_dir = Path(tempfile.mkdtemp(prefix="cobatch-scaling-"))
     files = {"workload": log_dir / "shared_prefix.jsonl", "hop": log_dir / "hop.jsonl"}
     write_jsonl(shared_prefix_workload(args.system_prompts, args.users, args.system_len,
@@ -218,7 +229,8 @@ def main(args: argparse.Namespace) -> int:
     write_jsonl(hop_workload(20, args.seed), files["hop"])
     chosen = set(args.only.split(",")) if args.only else None
     results: dict[str, dict] = {}
-    for setup in setups(args.kv_blocks):
+    max_model_len = args.system_len + args.user_len + args.output_len
+    for setup in setups(args.kv_blocks, -(-max_model_len // 64) * 64):
         if chosen is None or setup.name in chosen:
             try:
                 results[setup.name] = measure(setup, args, files, log_dir)

@@ -8,6 +8,7 @@ not wait for Serve's replacement replica.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from cobatch.ray import build_app  # noqa: E402
+from cobatch.ray.launch import WORKER_NICENESS  # noqa: E402
 from cobatch.testing.server import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,8 +40,16 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def base_url(tiny_model_dir: Path) -> Iterator[str]:
     port = free_port()
+    # As `cobatch serve --replicas` does: Ray's workers otherwise run at nice 15, and a busy host
+    # (the rest of the suite) would starve the replicas.
+    previous = os.environ.get(WORKER_NICENESS)
+    os.environ[WORKER_NICENESS] = "0"
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024**2,
              log_to_driver=False)
+    if previous is None:
+        del os.environ[WORKER_NICENESS]
+    else:
+        os.environ[WORKER_NICENESS] = previous
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({

@@ -26,6 +26,7 @@ from cobatch.server.settings import ServerSettings
 logger = logging.getLogger("cobatch.server")
 
 APP_NAME = "cobatch"
+WORKER_NICENESS = "RAY_worker_niceness"  # read by the raylet a local ray.init starts
 _DRAIN_SLACK_S = 10.0  # beyond --shutdown-timeout: the drain call's own round trip
 
 
@@ -85,6 +86,9 @@ def _start_ray(address: str | None, config: AppConfig) -> None:
     # Enough CPUs for every replica's threads (the ingress and Serve's own actors take none).
     num_replicas = config.max_replicas if config.is_autoscaling else config.num_replicas
     num_cpus = max(os.cpu_count() or 1, (num_replicas or 1) * config.threads_per_replica())
+    # Ray runs its workers (our replicas, the ingress, the proxy) at nice 15 unless told: a server
+    # would then yield its CPU to any other process on the host.
+    os.environ.setdefault(WORKER_NICENESS, "0")
     ray.init(num_cpus=num_cpus, include_dashboard=False)
 
 
