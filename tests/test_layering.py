@@ -50,6 +50,9 @@ FORBIDDEN: dict[str, set[str]] = {
                        "cobatch.engine", "cobatch.request", "torch", KERNELS},
     "cobatch.model_paths": {"torch", "cobatch"},  # locating files: the tokenizer and server use it
     "cobatch.testing": {"cobatch.server"},
+    # the live views' records and the traces built from them: the loop side of the engine, no model
+    **{m: {"torch", "cobatch.server", "cobatch.engine", "cobatch.runner", "cobatch.models", "cobatch.kernels",
+           "cobatch.scheduler"} for m in ("cobatch.step_history", "cobatch.tracing")},
     "cobatch.bench.serve": {"cobatch.engine", "cobatch.scheduler", "cobatch.runner", "torch"},
     "cobatch.config_cli": {"torch", "cobatch.engine", "cobatch.runner", "cobatch.models", "cobatch.server",
                            "cobatch.scheduler", "cobatch.llm"},  # the flags of EngineConfig: no engine
