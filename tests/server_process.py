@@ -66,6 +66,15 @@ def serving(model_dir: Path, log_path: Path, *flags: str) -> Iterator[ServerProc
         proc.stop()
 
 
+def tiny_server(model_dir: Path, log_path: Path, max_num_seqs: int, *flags: str) -> Iterator[ServerProcess]:
+    """`serving` the tiny test model as "tiny" with fault injection: 64 KV blocks, 256-token context (the body
+    of a module fixture: `yield from tiny_server(...)`)."""
+    with serving(model_dir, log_path, "--max-num-seqs", str(max_num_seqs), "--num-kv-blocks", "64",
+                 "--max-model-len", "256", "--served-model-name", "tiny", "--enable-fault-injection",
+                 *flags) as proc:
+        yield proc
+
+
 def metric(text: str, name: str) -> float:
     """The value of one (label-filtered by model_name only) sample in a Prometheus exposition."""
     match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)

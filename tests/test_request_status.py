@@ -20,7 +20,7 @@ from cobatch.metrics import EngineMetrics
 from cobatch.testing.faults import FaultInjector
 from cobatch.wait_reasons import MAX_NUM_SEQS
 from tests.fakes import FakeRunner
-from tests.server_process import ServerProcess, metric, serving
+from tests.server_process import ServerProcess, metric, tiny_server
 from tests.test_async_engine import collect, params, run, started
 from tests.test_server import metrics_text, slow_steps, wait_idle
 
@@ -66,11 +66,7 @@ def test_the_async_engine_answers_for_live_and_finished_sequences() -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("request_status") / "server.log"
-    with serving(tiny_model_dir, log, "--max-num-seqs", "1", "--num-kv-blocks", "64",
-                 "--max-model-len", "256", "--served-model-name", "tiny",
-                 "--enable-fault-injection") as proc:
-        yield proc
+    yield from tiny_server(tiny_model_dir, tmp_path_factory.mktemp("request_status") / "server.log", 1)
 
 
 def test_debug_requests_says_why_a_request_waits(server: ServerProcess) -> None:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess, metric, serving
+from tests.server_process import ServerProcess, metric, tiny_server
 from tests.test_server import metrics_text, slow_steps, wait_idle
 
 NO_EOS = {"ignore_eos": True}
@@ -20,11 +20,7 @@ HEADER = "x-cobatch-deadline-ms"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("deadlines") / "server.log"
-    with serving(tiny_model_dir, log, "--max-num-seqs", "2", "--num-kv-blocks", "64",
-                 "--max-model-len", "256", "--served-model-name", "tiny",
-                 "--enable-fault-injection") as proc:
-        yield proc
+    yield from tiny_server(tiny_model_dir, tmp_path_factory.mktemp("deadlines") / "server.log", 2)
 
 
 @pytest.fixture(scope="module")
