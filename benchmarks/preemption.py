@@ -5,8 +5,8 @@ during the run), the three modes alternating in rotated order (the host is noisy
 Useful tokens/s (ignore EOS, fixed output lengths), preemptions, what each mode paid (recomputed
 tokens, swaps), auto's choices with its mean predicted costs, and the measured copy time per block.
 
-    .venv/bin/python -m benchmarks.preemption [--repeats 2] [--output-json docs/bench/preemption.json]
-        [--plot docs/img/preemption.png]
+    .venv/bin/python -m benchmarks.preemption [--repeats 2] [--num-threads 1]
+        [--output-json docs/bench/preemption.json] [--plot docs/img/preemption.png]
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from cobatch.bench.runs import EngineFactory, run_workload, warm_up
 from cobatch.config import EngineConfig
 
 MODES = ("recompute", "swap", "auto")
-MAX_MODEL_LEN = 640  # the pool must hold one such sequence: a small pool stays legal
+MAX_MODEL_LEN = 384  # the pool must hold one such sequence: a small pool stays legal
 MAX_NUM_SEQS = 16
 # name -> (requests, prompt tokens, output tokens, KV blocks of 16 tokens). Admission sees only the
 # prompts: the admitted sequences then outgrow the pool, and the newest is preempted.
 WORKLOADS = {
-    "short": (24, "8-16", "48-80", 40),  # ~80 tokens each; 16 seats, the pool holds 640 tokens
-    "long": (6, "256-320", "128-160", 64),  # ~430 tokens each; 3 admitted, the pool holds 1024
+    "short": (16, "8-16", "40-56", 24),  # ~60 tokens each; 16 seats, the pool holds 384 tokens
+    "long": (5, "192-224", "96-128", 48),  # ~320 tokens each; 3 admitted, the pool holds 768
 }
 
 
@@ -57,9 +57,12 @@ def compare_modes(factory: EngineFactory, name: str, repeats: int) -> dict:
         for mode in MODES[repeat % 3:] + MODES[:repeat % 3]:
             run = run_mode(factory, requests, num_kv_blocks, mode)
             runs[mode].append(run)
+            predicted = run["mean_predicted_s"]
+            costs = (f", predicted recompute {1e3 * predicted['recompute_s']:.1f} ms vs swap "
+                     f"{1e3 * predicted['swap_s']:.2f} ms" if predicted else "")
             print(f"{name:>6} {mode:>9}: {run['tokens_per_s']:7.1f} tok/s, {run['num_preemptions']:3d} "
                   f"preemptions {run['preemptions_by_mode']}, {run['num_recomputed_tokens']} recomputed "
-                  f"tokens, {run['num_swaps']} swaps")
+                  f"tokens, {run['num_swaps']} swaps{costs}", flush=True)
     median = {mode: statistics.median(r["tokens_per_s"] for r in rs) for mode, rs in runs.items()}
     best_fixed = max(median["recompute"], median["swap"])
     return {"workload": name, "num_requests": num, "input_len": inputs, "output_len": outputs,
@@ -102,10 +105,13 @@ def machine(factory: EngineFactory) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--output-json", default="docs/bench/preemption.json")
     parser.add_argument("--plot", default="docs/img/preemption.png")
     args = parser.parse_args()
-    factory = EngineFactory.load(EngineConfig(max_model_len=MAX_MODEL_LEN, swap_space=0.5))
+    # One thread: on a shared 2-core host a 2-thread step collapses whenever anything else runs.
+    factory = EngineFactory.load(EngineConfig(max_model_len=MAX_MODEL_LEN, swap_space=0.25,
+                                              num_threads=args.num_threads))
     warm_up(factory)
     results = [compare_modes(factory, name, args.repeats) for name in WORKLOADS]
     for result in results:
