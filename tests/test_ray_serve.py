@@ -148,9 +148,14 @@ def test_prefix_affinity_with_balanced_load(base_url: str) -> None:
     with ThreadPoolExecutor(2) as pool:  # the first two are long enough to overlap
         warm = list(pool.map(lambda p: send(p, 0, 64), [LONG_PREFIX_A, LONG_PREFIX_B]))
         assert warm[0] != warm[1]  # two requests at once spread over both replicas
-        for user in range(1, 5):  # then each group goes where its prefix is cached
+        # Then each group goes where its prefix is cached: at least 5 of 6 rounds per group (a router
+        # blind to prefixes does that by chance about once in 80 runs), so one decision swayed by a
+        # busy host's noisy step-time fits does not fail the test.
+        hits = [0, 0]
+        for user in range(1, 7):
             chosen = list(pool.map(lambda p: send(p, user), [LONG_PREFIX_A, LONG_PREFIX_B]))
-            assert chosen == warm, _reasons(base_url, 4)
+            hits = [h + (c == w) for h, c, w in zip(hits, chosen, warm)]
+        assert min(hits) >= 5, f"{hits} of 6\n{_reasons(base_url, 12)}"
 
 
 def _reasons(base_url: str, num: int) -> str:
