@@ -15,7 +15,7 @@ from cobatch.ray.prefix_index import PrefixIndex, max_cached_blocks, prompt_bloc
 from cobatch.ray.routing_state import RoutingState
 from cobatch.ray.scoring import (
     DEADLINE, EXCLUDED_BY_CALLER, FULL, MISSES_DEADLINE, PROMPT_EXCEEDS_KV, QUEUE_FULL, ROUTED,
-    ReplicaStats, RouteQuery,
+    ReplicaStats, RouteQuery, RouterConfig,
 )
 from cobatch.request import Request
 from cobatch.sampling_params import SamplingParams
@@ -34,8 +34,8 @@ def fake_stats(replica_id: str, time_s: float = NOW, **fields: object) -> Replic
     return dataclasses.replace(base, **fields)
 
 
-def state_with(*stats: ReplicaStats) -> RoutingState:
-    state = RoutingState(BLOCK_SIZE)
+def state_with(*stats: ReplicaStats, config: RouterConfig | None = None) -> RoutingState:
+    state = RoutingState(BLOCK_SIZE, config)
     for record in stats:
         state.update_stats(record)
     return state
@@ -133,11 +133,34 @@ def test_a_shared_prefix_spreads_and_stays_warm() -> None:
     assert sum(1 for d in decisions if d.candidates[0].num_prefix_blocks == 15) >= 7
 
 
-def test_a_slower_replica_loses_at_equal_load() -> None:
+def test_a_slower_replica_loses_at_equal_load_when_each_is_priced_by_its_own_model() -> None:
     slow = tuple(4 * c for c in COEFFICIENTS)
     state = state_with(fake_stats("r1", step_coefficients=slow, decode_coefficients=slow),
-                       fake_stats("r2"))
+                       fake_stats("r2"), config=RouterConfig(pool_step_models=False))
     assert state.decide(query("q", list(range(64))), ["r1", "r2"], NOW).chosen == "r2"
+
+
+def test_pooled_models_let_the_cached_prefix_beat_a_noisy_fit() -> None:
+    """By default the replicas' fits are averaged: one that measured itself slower (noise on a busy
+    host) does not lose the request whose prefix it caches."""
+    noisy = tuple(1.5 * c for c in COEFFICIENTS)
+    state = state_with(fake_stats("r1", step_coefficients=noisy, decode_coefficients=noisy),
+                       fake_stats("r2"))
+    state.index.record_routed("r1", prompt_block_hashes(user_prompt(0), BLOCK_SIZE))
+    decision = state.decide(query("q", user_prompt(1), max_tokens=64), ["r1", "r2"], NOW)
+    assert decision.chosen == "r1"
+    assert {c.tpot_s for c in decision.candidates} == {decision.candidates[0].tpot_s}
+
+
+def test_a_kv_short_replica_costs_the_wait_for_running_requests_to_free_blocks() -> None:
+    full = fake_stats("r1", num_kv_blocks=64, num_kv_blocks_free=2, num_running=8,
+                      num_running_tokens=8 * 28, mean_output_tokens=32.0)
+    state = state_with(full, fake_stats("r2", num_kv_blocks=64, num_kv_blocks_free=64))
+    decision = state.decide(query("q", list(range(64))), ["r1", "r2"], NOW)
+    r1 = next(c for c in decision.candidates if c.replica_id == "r1")
+    r2 = next(c for c in decision.candidates if c.replica_id == "r2")
+    assert decision.chosen == "r2" and not r1.kv_fits and r1.penalty_s == 0.0
+    assert r1.ttft_s > r2.ttft_s  # it waits for about two of its eight rows to finish
 
 
 # ---- exclusions and refusals ---------------------------------------------------------------------

@@ -71,20 +71,25 @@ class RoutingState:
         """Score every candidate, pick the cheapest, book it in the ledger and the index."""
         block_hashes = prompt_block_hashes(query.prompt_token_ids, self.block_size)
         usable = block_hashes[:max_cached_blocks(len(query.prompt_token_ids), self.block_size)]
-        candidates = [self._score(query, replica_id, usable, now_s) for replica_id in replica_ids]
+        pooled = self._pooled_coefficients() if self.config.pool_step_models else None
+        candidates = [self._score(query, replica_id, usable, now_s, pooled)
+                      for replica_id in replica_ids]
         decision = choose(query, candidates, now_s)
         if decision.chosen is not None:
             self._book(query, decision, block_hashes, now_s)
         self.decisions.append(decision)
         return decision
 
-    def _score(self, query: RouteQuery, replica_id: str, usable_hashes: list[int],
-               now_s: float) -> CandidateScore:
+    def _score(self, query: RouteQuery, replica_id: str, usable_hashes: list[int], now_s: float,
+               pooled: tuple[Coefficients, Coefficients] | None) -> CandidateScore:
         stats = self.stats.get(replica_id)
         has_stats = stats is not None
         if stats is None:
             stats = idle_stats(replica_id, now_s, self._template(), self.block_size)
         stats = without_finished(stats, self.ledger.finished_load(replica_id))
+        if pooled is not None:
+            stats = dataclasses.replace(stats, step_coefficients=pooled[0],
+                                        decode_coefficients=pooled[1])
         return score_candidate(query, stats, self.ledger.load(replica_id),
                                self.index.num_matched_blocks(replica_id, usable_hashes), now_s,
                                self.config, self._fallback_coefficients(), has_stats)
@@ -105,6 +110,15 @@ class RoutingState:
         # Replicas of one deployment share an engine config: a new one is shaped like the others.
         return next(iter(self.stats.values()), None)
 
+    def _pooled_coefficients(self) -> tuple[Coefficients, Coefficients] | None:
+        """The mean of the replicas' fitted step and decode models (None: none fitted yet)."""
+        fitted = [s for s in self.stats.values() if any(s.step_coefficients)]
+        if not fitted:
+            return None
+        decode = [s.decode_coefficients for s in fitted if any(s.decode_coefficients)]
+        step = _mean([s.step_coefficients for s in fitted])
+        return step, _mean(decode) if decode else step
+
     def _fallback_coefficients(self) -> Coefficients:
         """A fitted model of another replica (same engine, same host type), else the config's prior."""
         for stats in self.stats.values():
@@ -121,3 +135,7 @@ def without_finished(stats: ReplicaStats, finished: InFlightLoad) -> ReplicaStat
         stats, num_running=max(stats.num_running - finished.num_requests, 0),
         num_running_tokens=max(stats.num_running_tokens - finished.num_prompt_tokens, 0),
         num_kv_blocks_free=min(stats.num_kv_blocks_free + finished.num_new_blocks, stats.num_kv_blocks))
+
+
+def _mean(vectors: Sequence[Coefficients]) -> Coefficients:
+    return tuple(sum(column) / len(vectors) for column in zip(*vectors))

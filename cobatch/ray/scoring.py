@@ -14,9 +14,10 @@ in-flight ledger) and the prompt blocks the replica probably caches (the prefix 
 that is, the latency of the request's first K tokens plus the delay its K steps add to the rows
 already decoding there (K = RouterConfig.num_scored_steps, at most max_tokens). Prefix affinity, load
 and a replica's speed are terms of the same sum, in seconds, so no threshold decides between them.
-A replica whose free KV blocks would not hold the request pays `kv_full_penalty_s` (it would wait for
-memory or preempt); stale stats pay per second of staleness; a replica that would miss the deadline,
-whose queue is at its bound, or that cannot hold the prompt at all, is excluded.
+A replica whose free KV blocks would not hold the request makes it wait for running requests to
+finish and give theirs back: that wait is part of its TTFT (`kv_full_penalty_s` only when nothing
+running there would free any). Stale stats pay per second of staleness; a replica that would miss the
+deadline, whose queue is at its bound, or that cannot hold the prompt at all, is excluded.
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ class RouterConfig:
     max_stats_age_s: float = 1.0  # older stats are marked stale and pay stale_penalty_per_s
     stale_penalty_per_s: float = 1.0  # seconds of score per second of staleness beyond the limit
     num_scored_steps: int = 16  # K: decode steps of TPOT (own and imposed) counted in the score
-    kv_full_penalty_s: float = 60.0  # large: such a replica is chosen only when every one is full
+    kv_full_penalty_s: float = 60.0  # KV short and nothing running to free it: chosen last
     default_mean_output_tokens: float = 128.0  # until a replica reports its own mean
+    # Replicas of one deployment run one engine config, usually on one node type: price every one's
+    # steps with the mean of their fitted models (their fits differ mostly by noise on a busy host).
+    # False prices each with its own model (replicas on different hardware).
+    pool_step_models: bool = True
     # Used only until a replica's own model has seen enough steps (its coefficients are all zero):
     # a coarse step price, so that queue lengths still order replicas before any step is measured.
     prior_coefficients: Coefficients = (0.02, 1e-4, 1e-4, 0.0)
@@ -212,6 +217,8 @@ class _Prediction:
     step_increase_s: float
     num_other_rows: int
     num_queued_tokens: int
+    tpot_now_s: float  # the decode step there before the request
+    seat_wait_s: float  # of ttft_s: the wait for a free seat
 
 
 def _predict(stats: ReplicaStats, load: InFlightLoad, num_prompt_tokens: int, num_prefix_blocks: int,
@@ -222,15 +229,34 @@ def _predict(stats: ReplicaStats, load: InFlightLoad, num_prompt_tokens: int, nu
     queued = stats.num_waiting_tokens + stats.num_running_prefill_tokens + load.num_prefill_tokens
     rows, context = stats.num_running, stats.num_running_tokens
     tpot_now_s = predict_step_s(decode, rows, rows, context) if rows else 0.0
+    seat_wait_s = _seat_wait_s(stats, load, tpot_now_s, config.default_mean_output_tokens)
     ttft_s = (0.5 * tpot_now_s  # the step in progress, half done on average
-              + _seat_wait_s(stats, load, tpot_now_s, config.default_mean_output_tokens)
+              + seat_wait_s
               + _prefill_time_s(step, stats, queued + num_prompt_tokens - num_cached, num_cached))
     # Requests routed but not reported yet will decode there too: count them, or a burst herds.
     other_rows = rows + load.num_requests
     other_context = context + load.num_prompt_tokens
     before_s = predict_step_s(decode, other_rows, other_rows, other_context) if other_rows else 0.0
     tpot_s = predict_step_s(decode, other_rows + 1, other_rows + 1, other_context + num_prompt_tokens)
-    return _Prediction(ttft_s, tpot_s, tpot_s - before_s, other_rows, queued)
+    return _Prediction(ttft_s, tpot_s, tpot_s - before_s, other_rows, queued, tpot_now_s, seat_wait_s)
+
+
+def _kv_wait_s(stats: ReplicaStats, num_short_blocks: int, pred: _Prediction,
+               config: RouterConfig) -> float | None:
+    """The wait for `num_short_blocks` more free blocks (None: nothing running would free them).
+
+    Running requests finish one every mean_output / num_running steps (as for a seat), each giving
+    back its share of the blocks in use.
+    """
+    num_rows = stats.num_running
+    if num_short_blocks <= 0:
+        return 0.0
+    if num_rows == 0 or pred.tpot_now_s <= 0.0:
+        return None
+    blocks_per_row = max(stats.num_kv_blocks - stats.num_kv_blocks_free, 1) / num_rows
+    num_finishes = min(-(-num_short_blocks // max(int(blocks_per_row), 1)), num_rows)
+    mean_output = stats.mean_output_tokens or config.default_mean_output_tokens
+    return num_finishes * (mean_output / num_rows) * pred.tpot_now_s
 
 
 def projected_num_waiting(stats: ReplicaStats, load: InFlightLoad) -> int:
@@ -261,21 +287,24 @@ def score_candidate(query: RouteQuery, stats: ReplicaStats, load: InFlightLoad, 
     pred = _predict(stats, load, num_prompt, num_prefix_blocks, fallback or config.prior_coefficients,
                     config)
     num_needed, num_ahead = _kv_blocks(stats, load, num_prompt, num_prefix_blocks)
-    kv_fits = num_needed + num_ahead <= stats.num_kv_blocks_free
+    num_short = num_needed + num_ahead - stats.num_kv_blocks_free
+    kv_wait_s = _kv_wait_s(stats, num_short, pred, config)
+    # Blocks and seats both come back as running requests finish: the longer of the two waits.
+    ttft_s = pred.ttft_s + max((kv_wait_s or 0.0) - pred.seat_wait_s, 0.0)
     age_s = now_s - stats.time_s if has_stats else None
     is_stale = age_s is not None and age_s > config.max_stats_age_s
-    penalty_s = (0.0 if kv_fits else config.kv_full_penalty_s) + (
+    penalty_s = (config.kv_full_penalty_s if kv_wait_s is None else 0.0) + (
         config.stale_penalty_per_s * (age_s - config.max_stats_age_s) if is_stale else 0.0)
     num_steps = min(config.num_scored_steps, query.max_tokens or config.num_scored_steps)
-    score_s = (pred.ttft_s + num_steps * (pred.tpot_s + pred.num_other_rows * pred.step_increase_s)
+    score_s = (ttft_s + num_steps * (pred.tpot_s + pred.num_other_rows * pred.step_increase_s)
                + penalty_s)
     return CandidateScore(
-        replica_id=stats.replica_id, score_s=score_s, ttft_s=pred.ttft_s, tpot_s=pred.tpot_s,
+        replica_id=stats.replica_id, score_s=score_s, ttft_s=ttft_s, tpot_s=pred.tpot_s,
         step_increase_s=pred.step_increase_s, num_prefix_blocks=num_prefix_blocks,
         num_prefill_tokens=num_prompt - num_prefix_blocks * stats.block_size,
-        num_queued_tokens=pred.num_queued_tokens, num_inflight=load.num_requests, kv_fits=kv_fits,
-        penalty_s=penalty_s, stats_age_s=age_s, is_stale=is_stale,
-        excluded=_exclusion(query, stats, load, pred.ttft_s, num_needed, now_s))
+        num_queued_tokens=pred.num_queued_tokens, num_inflight=load.num_requests,
+        kv_fits=num_short <= 0, penalty_s=penalty_s, stats_age_s=age_s, is_stale=is_stale,
+        excluded=_exclusion(query, stats, load, ttft_s, num_needed, now_s))
 
 
 def _order_key(candidate: CandidateScore) -> tuple[float, int, str]:
