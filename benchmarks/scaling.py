@@ -132,6 +132,19 @@ def prefix_hit_rate(metrics: str) -> float:
     return sum(rates.get(k, 0.0) * v for k, v in tokens.items()) / total if total else 0.0
 
 
+def prompt_share_computed(metrics: str) -> float:
+    """Prompt tokens the engines computed (recomputed after preemption included) per prompt token.
+
+    Steps computed prefill + decode tokens; each finished sequence's first token came with its
+    prefill, every other one took a decode token. 1 - this is the hit rate net of recomputation.
+    """
+    computed = sum(_samples(metrics, "cobatch:iteration_tokens_total_sum").values())
+    generated = sum(_samples(metrics, "cobatch:generation_tokens_total").values())
+    finished = sum(_samples(metrics, "cobatch:request_success_total").values())
+    prompt = sum(_samples(metrics, "cobatch:prompt_tokens_total").values())
+    return (computed - (generated - finished)) / prompt if prompt else 0.0
+
+
 def _samples(metrics: str, name: str) -> dict[str, float]:
     """replica label (or "" for a single engine) -> value."""
     out = {}
@@ -159,7 +172,8 @@ def measure(setup: Setup, args: argparse.Namespace, files: dict[str, Path], log_
     started = time.monotonic()
     server = Server(setup, args.model, log_dir)
     try:
-        result: dict = {"flags": list(setup.flags), "start_s": time.monotonic() - started}
+        result: dict = {"flags": list(setup.flags), "start_s": time.monotonic() - started,
+                        "load_average_before": os.getloadavg()[0]}
         time.sleep(_IDLE_SETTLE_S)
         result["idle_resident_mb"] = server.resident_mb()
         report = bench_serve(server.base_url, files["workload"], log_dir / f"{setup.name}.json",
@@ -178,7 +192,10 @@ def measure(setup: Setup, args: argparse.Namespace, files: dict[str, Path], log_
 
 def _summary(report: dict, metrics: str) -> dict:
     routed = _samples(metrics, "cobatch:router_routed_requests_total")
-    return {"prefix_hit_rate": prefix_hit_rate(metrics), "completed": report["completed"],
+    return {"prefix_hit_rate": prefix_hit_rate(metrics),
+            "prompt_share_computed": prompt_share_computed(metrics),
+            "num_preemptions": sum(_samples(metrics, "cobatch:num_preemptions_total").values()),
+            "completed": report["completed"],
             "failed": report["failed"], "duration_s": report["duration_s"],
             "output_throughput": report["output_throughput"],
             "goodput": report.get("goodput"), "ttft_ms": report["ttft_ms"],
@@ -187,13 +204,14 @@ def _summary(report: dict, metrics: str) -> dict:
 
 
 def markdown(results: dict[str, dict]) -> str:
-    lines = ["| setup | prefix hit rate | TTFT p50 / p99 ms | TPOT p50 ms | output tok/s | goodput req/s "
-             "| idle RSS MB |", "|---|---|---|---|---|---|---|"]
+    lines = ["| setup | prefix hit rate | prompt computed | TTFT p50 / p99 ms | TPOT p50 ms | output tok/s "
+             "| goodput req/s | idle RSS MB |", "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if "ttft_ms" not in r:
-            lines.append(f"| {name} | failed: {r.get('error', '')} | | | | | |")
+            lines.append(f"| {name} | failed: {r.get('error', '')} | | | | | | |")
             continue
-        lines.append(f"| {name} | {r['prefix_hit_rate']:.1%} | {r['ttft_ms']['p50']:.0f} / "
+        lines.append(f"| {name} | {r['prefix_hit_rate']:.1%} | {r['prompt_share_computed']:.1%} | "
+                     f"{r['ttft_ms']['p50']:.0f} / "
                      f"{r['ttft_ms']['p99']:.0f} | {r['tpot_ms']['p50']:.0f} | "
                      f"{r['output_throughput']:.1f} | {r['goodput'] or 0:.2f} | "
                      f"{r['idle_resident_mb']:.0f} |")
@@ -204,13 +222,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default=None, help="MODEL for cobatch serve (default: the bundled SmolLM2-135M)")
     add("--system-prompts", type=int, default=8)
-    add("--users", type=int, default=16, help="requests per system prompt")
-    add("--system-len", type=int, default=256, help="tokens of each system prompt")
+    add("--users", type=int, default=12, help="requests per system prompt")
+    add("--system-len", type=int, default=768, help="tokens of each system prompt")
     add("--user-len", type=int, default=32, help="tokens of each user's own part")
-    add("--output-len", type=int, default=32)
-    add("--kv-blocks", type=int, default=128, help="KV blocks per one-thread replica (x2 for 1x2)")
-    add("--max-concurrency", type=int, default=16)
-    add("--tpot-slo-ms", type=float, default=250.0, help="goodput: requests within this TPOT")
+    add("--output-len", type=int, default=16)
+    # Holds about half the system prompts besides the running requests: what each replica can
+    # cache is what routing by prefix is about.
+    add("--kv-blocks", type=int, default=256, help="KV blocks per one-thread replica (x2 for 1x2)")
+    add("--max-concurrency", type=int, default=8)
+    add("--tpot-slo-ms", type=float, default=300.0, help="goodput: requests within this TPOT")
     add("--only", default=None, help="comma-separated setup names")
     add("--output", default=str(ROOT / "docs" / "bench" / "scaling.json"))
     add("--seed", type=int, default=0)
