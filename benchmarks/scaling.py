@@ -180,6 +180,10 @@ def measure(setup: Setup, args: argparse.Namespace, files: dict[str, Path], log_
                              args.max_concurrency, args.tpot_slo_ms)
         metrics = httpx.get(f"{server.base_url}/metrics", timeout=30.0).text
         result.update(_summary(report, metrics))
+        if "--replicas" in setup.flags:  # the routing decisions, for reading afterwards
+            decisions = httpx.get(f"{server.base_url}/debug/routing", params={"limit": 256},
+                                  timeout=30.0).json()
+            (log_dir / f"{setup.name}-decisions.json").write_text(json.dumps(decisions))
         if setup.probes_hop:
             hop = bench_serve(server.base_url, files["hop"], log_dir / f"{setup.name}-hop.json", 1,
                               args.tpot_slo_ms)

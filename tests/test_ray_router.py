@@ -152,6 +152,18 @@ def test_pooled_models_let_the_cached_prefix_beat_a_noisy_fit() -> None:
     assert {c.tpot_s for c in decision.candidates} == {decision.candidates[0].tpot_s}
 
 
+def test_an_uncached_prefill_also_costs_the_rows_it_holds_up() -> None:
+    busy_stats = dict(num_running=3, num_running_tokens=3 * 70)
+    state = state_with(fake_stats("r1", **busy_stats), fake_stats("r2", **busy_stats))
+    state.index.record_routed("r1", prompt_block_hashes(user_prompt(0), BLOCK_SIZE))
+    decision = state.decide(query("q", user_prompt(1)), ["r1", "r2"], NOW)
+    r1, r2 = sorted(decision.candidates, key=lambda c: c.replica_id)
+    assert decision.chosen == "r1" and r1.prefill_s < r2.prefill_s
+    # Beyond its own TTFT, each of the 3 rows running there waits for the prefill's steps.
+    extra = (r2.score_s - r1.score_s) - (r2.ttft_s - r1.ttft_s)
+    assert extra == pytest.approx(3 * (r2.prefill_s - r1.prefill_s), rel=0.05)
+
+
 def test_a_kv_short_replica_costs_the_wait_for_running_requests_to_free_blocks() -> None:
     full = fake_stats("r1", num_kv_blocks=64, num_kv_blocks_free=2, num_running=8,
                       num_running_tokens=8 * 28, mean_output_tokens=32.0)

@@ -8,11 +8,14 @@ in-flight ledger) and the prompt blocks the replica probably caches (the prefix 
                      step-time model; plus the wait for a seat when all max_num_seqs are taken
     tpot_s           the decode step time once it is seated (its own TPOT and its co-runners')
     step_increase_s  how much longer each of those decode steps is because of it
+    prefill_s        the steps its own uncached prompt takes: every row decoding there waits for
+                     them (a cached prefix spares the co-runners as much as the request itself)
 
-    score_s = ttft_s + K * (tpot_s + num_other_rows * step_increase_s) + penalty_s
+    score_s = ttft_s + num_other_rows * prefill_s + K * (tpot_s + num_other_rows * step_increase_s)
+              + penalty_s
 
-that is, the latency of the request's first K tokens plus the delay its K steps add to the rows
-already decoding there (K = RouterConfig.num_scored_steps, at most max_tokens). Prefix affinity, load
+that is, the latency of the request's first K tokens plus the delay its prefill and its K decode
+steps add to the rows already running there (K = RouterConfig.num_scored_steps, at most max_tokens). Prefix affinity, load
 and a replica's speed are terms of the same sum, in seconds, so no threshold decides between them.
 A replica whose free KV blocks would not hold the request makes it wait for running requests to
 finish and give theirs back: that wait is part of its TTFT (`kv_full_penalty_s` only when nothing
@@ -134,6 +137,7 @@ class CandidateScore:
     ttft_s: float
     tpot_s: float
     step_increase_s: float
+    prefill_s: float  # the steps of its own uncached prompt (its co-runners wait for them too)
     num_prefix_blocks: int  # leading prompt blocks it probably caches
     num_prefill_tokens: int  # prompt tokens it would compute
     num_queued_tokens: int  # prefill tokens ahead of the request there
@@ -219,6 +223,7 @@ class _Prediction:
     num_queued_tokens: int
     tpot_now_s: float  # the decode step there before the request
     seat_wait_s: float  # of ttft_s: the wait for a free seat
+    prefill_s: float  # of ttft_s: its own uncached prompt's steps
 
 
 def _predict(stats: ReplicaStats, load: InFlightLoad, num_prompt_tokens: int, num_prefix_blocks: int,
@@ -230,15 +235,16 @@ def _predict(stats: ReplicaStats, load: InFlightLoad, num_prompt_tokens: int, nu
     rows, context = stats.num_running, stats.num_running_tokens
     tpot_now_s = predict_step_s(decode, rows, rows, context) if rows else 0.0
     seat_wait_s = _seat_wait_s(stats, load, tpot_now_s, config.default_mean_output_tokens)
-    ttft_s = (0.5 * tpot_now_s  # the step in progress, half done on average
-              + seat_wait_s
-              + _prefill_time_s(step, stats, queued + num_prompt_tokens - num_cached, num_cached))
+    all_prefill_s = _prefill_time_s(step, stats, queued + num_prompt_tokens - num_cached, num_cached)
+    own_prefill_s = all_prefill_s - _prefill_time_s(step, stats, queued, 0)
+    ttft_s = 0.5 * tpot_now_s + seat_wait_s + all_prefill_s  # (the step in progress: half done)
     # Requests routed but not reported yet will decode there too: count them, or a burst herds.
     other_rows = rows + load.num_requests
     other_context = context + load.num_prompt_tokens
     before_s = predict_step_s(decode, other_rows, other_rows, other_context) if other_rows else 0.0
     tpot_s = predict_step_s(decode, other_rows + 1, other_rows + 1, other_context + num_prompt_tokens)
-    return _Prediction(ttft_s, tpot_s, tpot_s - before_s, other_rows, queued, tpot_now_s, seat_wait_s)
+    return _Prediction(ttft_s, tpot_s, tpot_s - before_s, other_rows, queued, tpot_now_s,
+                       seat_wait_s, max(own_prefill_s, 0.0))
 
 
 def _kv_wait_s(stats: ReplicaStats, num_short_blocks: int, pred: _Prediction,
@@ -296,11 +302,12 @@ def score_candidate(query: RouteQuery, stats: ReplicaStats, load: InFlightLoad, 
     penalty_s = (config.kv_full_penalty_s if kv_wait_s is None else 0.0) + (
         config.stale_penalty_per_s * (age_s - config.max_stats_age_s) if is_stale else 0.0)
     num_steps = min(config.num_scored_steps, query.max_tokens or config.num_scored_steps)
-    score_s = (ttft_s + num_steps * (pred.tpot_s + pred.num_other_rows * pred.step_increase_s)
-               + penalty_s)
+    score_s = (ttft_s + pred.num_other_rows * pred.prefill_s
+               + num_steps * (pred.tpot_s + pred.num_other_rows * pred.step_increase_s) + penalty_s)
     return CandidateScore(
         replica_id=stats.replica_id, score_s=score_s, ttft_s=ttft_s, tpot_s=pred.tpot_s,
-        step_increase_s=pred.step_increase_s, num_prefix_blocks=num_prefix_blocks,
+        step_increase_s=pred.step_increase_s, prefill_s=pred.prefill_s,
+        num_prefix_blocks=num_prefix_blocks,
         num_prefill_tokens=num_prompt - num_prefix_blocks * stats.block_size,
         num_queued_tokens=pred.num_queued_tokens, num_inflight=load.num_requests,
         kv_fits=num_short <= 0, penalty_s=penalty_s, stats_age_s=age_s, is_stale=is_stale,
