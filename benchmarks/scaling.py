@@ -36,7 +36,7 @@ import psutil
 
 from cobatch.bench.common import write_json
 from cobatch.bench.datasets import BenchRequest, write_jsonl
-from cobatch.testing.server import free_port, wait_ready
+from cobatch.testing.server import free_port, terminate, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 COBATCH = [sys.executable, "-m", "cobatch.cli"]
@@ -115,12 +115,7 @@ class Server:
         return total / 2**20
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, timeout_s=120)
         self._log.close()
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from cobatch.testing.server import free_port, wait_ready
+from cobatch.testing.server import free_port, terminate, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,15 +44,9 @@ class ServerProcess:
         return self.proc.wait(timeout=timeout_s)
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        returncode = terminate(self.proc, timeout_s=20)
         self._log.close()
-        return self.proc.returncode
+        return returncode
 
 
 @contextmanager

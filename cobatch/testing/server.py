@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import time
@@ -33,6 +34,18 @@ def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float,
             pass  # not listening yet
         time.sleep(0.1)
     raise TimeoutError(f"the server was not ready after {timeout_s} s{_log_tail(log_path)}")
+
+
+def terminate(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    """SIGTERM a server that is still running, SIGKILL it after `timeout_s`; its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def _log_tail(log_path: Path | None) -> str:
