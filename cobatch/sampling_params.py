@@ -2,13 +2,83 @@
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 
 def _check_finite(name: str, value: float) -> None:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
+
+
+def _canonical_json_schema(schema: str | dict[str, Any]) -> str:
+    """One compact JSON text per schema (key order kept: it is the order the output's keys follow)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's names); exactly one of the five is set.
+
+    `json`: a JSON schema (dict or JSON text; stored as compact JSON text so the object stays hashable);
+    `regex`: the whole output matches it; `choice`: the output is one of these strings; `grammar`: a
+    context-free grammar in the backend's syntax (docs/SERVER.md "Structured outputs"); `json_object`:
+    any JSON object. `disable_any_whitespace`: JSON without free whitespace between tokens;
+    `disable_additional_properties`: objects in `json` carry only their declared properties unless the
+    schema itself allows more (OpenAI's strict mode).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None:
+            object.__setattr__(self, "json", _canonical_json_schema(self.json))
+        if self.choice is not None:
+            if isinstance(self.choice, str):
+                raise ValueError("structured_outputs.choice must be a list of strings, got one string")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        self._validate()
+
+    def _validate(self) -> None:
+        num_set = sum(getattr(self, k) not in (None, False) for k in _CONSTRAINT_KINDS)
+        if num_set != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {num_set}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c
+                                                                   for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """A hashable key for the compiled grammar: every field (the compile depends on all of them)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +106,12 @@ class SamplingParams:
     # End the request this long after its arrival, with finish_reason "deadline" (a stop condition
     # like max_tokens: its deltas so far stand). Relative, so it crosses processes (Ray replicas).
     deadline_ms: float | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (None: unconstrained).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         # Accept lists/dicts/str from callers but store hashable tuples (the object is frozen).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
