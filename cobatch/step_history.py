@@ -85,6 +85,24 @@ class Segment:
         return max(self.wait_steps, key=lambda item: item[1])[0] if self.wait_steps else None
 
 
+@dataclass(slots=True)
+class HistoryCursor:
+    """How far one reader (a page, the ingress's mirror) has read a StepHistory."""
+
+    step: int = -1
+    last_finished: RequestDelta | None = None
+
+    def take(self, history: StepHistory, limit: int) -> tuple[list[StepRecord], list[RequestDelta]]:
+        """The steps and finishing deltas after the cursor (the newest `limit` of each); moves past them."""
+        steps = history.steps_after(self.step, limit)
+        finished = history.finished_after(self.last_finished)[-limit:]
+        if steps:
+            self.step = steps[-1].step
+        if finished:
+            self.last_finished = finished[-1]
+        return steps, finished
+
+
 class StepHistory:
     """Bounded deques of the last steps and the last finishing deltas, oldest first (loop-side only)."""
 

@@ -25,7 +25,7 @@ WIRES_IN_TESTING = {"cobatch.server.cli", "cobatch.ray.replica"}
 RAY_PURE = {"cobatch.ray.prefix_index", "cobatch.ray.inflight", "cobatch.ray.scoring",
             "cobatch.ray.routing_state", "cobatch.ray.ticket", "cobatch.ray.wire",
             "cobatch.ray.migration", "cobatch.ray.chunking", "cobatch.ray.app_config",
-            "cobatch.ray.router_metrics"}
+            "cobatch.ray.router_metrics", "cobatch.ray.dashboard_feed"}
 
 # module (or package prefix) -> imports it must not make (a prefix forbids the whole package)
 FORBIDDEN: dict[str, set[str]] = {

@@ -8,6 +8,7 @@ not wait for Serve's replacement replica.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -161,6 +162,40 @@ def test_prefix_affinity_with_balanced_load(base_url: str) -> None:
 def _reasons(base_url: str, num: int) -> str:
     decisions = httpx.get(f"{base_url}/debug/routing", params={"limit": num}).json()["decisions"]
     return "\n".join(f"{d['request_id']}: {d['reason']}" for d in decisions)
+
+
+def _dashboard_ticks(base_url: str, seconds: float) -> list[dict[str, object]]:
+    """The tick events the ingress's live page stream sends within `seconds` (ticks come on change)."""
+    ticks: list[dict[str, object]] = []
+    deadline = time.monotonic() + seconds
+    try:
+        with httpx.stream("GET", f"{base_url}/dashboard/events", timeout=httpx.Timeout(30.0, read=2.0)) \
+                as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: ") and '"type":"tick"' in line:
+                    ticks.append(json.loads(line[len("data: "):]))
+                if time.monotonic() > deadline:
+                    break
+    except httpx.ReadTimeout:  # nothing changed for a while: the ticks so far are the answer
+        pass
+    return ticks
+
+
+def test_the_page_and_debug_requests_see_the_replicas_through_the_ingress(base_url: str) -> None:
+    """A request's steps reach the page under its replica's name; /debug/requests asks the replicas."""
+    with ThreadPoolExecutor(1) as pool:
+        ticks = pool.submit(_dashboard_ticks, base_url, 6.0)
+        time.sleep(1.0)  # the page is open: the ingress mirrors every replica's new steps
+        response = _complete(base_url, "Watch this", max_tokens=12)
+        request_id, replica = response.json()["id"], response.headers["x-cobatch-replica"]
+        seen = {(t["replica"], i) for t in ticks.result(timeout=60) for s in t["steps"]
+                for i in (t["ids"][r] for r in s["rows"])}
+    assert (replica, request_id) in seen
+    (seq,) = httpx.get(f"{base_url}/debug/requests/{request_id}", timeout=30.0).json()["sequences"]
+    assert seq["state"] == "finished" and seq["seq_id"] == request_id
+    timeline = httpx.get(f"{base_url}/dashboard/requests/{request_id}", timeout=30.0).json()
+    assert timeline["replica"] == replica
+    assert httpx.get(f"{base_url}/debug/requests/cmpl-nobody", timeout=30.0).status_code == 404
 
 
 def test_a_closed_stream_aborts_the_request_on_its_replica(base_url: str,

@@ -39,6 +39,7 @@ class AppConfig(BaseModel):
     watchdog_timeout_s: float = Field(60.0, gt=0)
     shutdown_timeout_s: float = Field(30.0, ge=0)
     enable_fault_injection: bool = False
+    disable_dashboard: bool = False  # the live page at /dashboard, fed by every replica's steps
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:

@@ -35,6 +35,7 @@ from cobatch.ray.ticket import RouteTicket
 from cobatch.ray.wire import ENGINE_DEAD, REQUEST_REJECTED, ReplicaError
 from cobatch.sampling_params import SamplingParams
 from cobatch.server.engine_client import DeadlineUnreachableError, EngineOverloadedError
+from cobatch.wait_reasons import SequenceWaitStatus
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +203,14 @@ class RoutedEngine:
                 engine_seq = f"{leg.call.request_id}#{leg.indices.index(index)}"
                 self._in_background(self._handle.broadcast("stop_sequence", engine_seq, stop_reason)
                                     .results_async(return_exceptions=True))
+
+    async def request_status(self, request_id: str) -> list[SequenceWaitStatus] | None:
+        """Why the request's sequences wait, from whichever replicas run or ran them (a migrated leg's
+        sequences carry their own ids there, "id#i~k", and answer to those)."""
+        results = await self._handle.broadcast("request_status", request_id).results_async(
+            timeout_s=_METRICS_TIMEOUT_S, return_exceptions=True)
+        found = {s.seq_id: s for r in results if isinstance(r, list) for s in r}
+        return [found[seq_id] for seq_id in sorted(found)] or None
 
     async def render_metrics(self) -> tuple[bytes, str] | None:
         """The router's metrics and every replica's engine metrics, in one exposition."""

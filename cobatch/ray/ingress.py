@@ -2,6 +2,7 @@
 
 The same endpoints, errors, /metrics and /health as a single `cobatch serve`. Besides: each answer
 names its replica (header x-cobatch-replica), GET /debug/routing lists the recent routing decisions,
+/dashboard draws every replica's lanes (cobatch/ray/dashboard_feed.py),
 and with fault injection POST /debug/fault also takes {"kind": "kill_replica", "replica": NAME}
 (the replica's process ends at once) or names the one replica a fault is for.
 """
@@ -18,6 +19,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cobatch.ray.app_config import AppConfig
 from cobatch.ray.client import ROUTE_NOTE, RouteNote, RoutedEngine
+from cobatch.ray.dashboard_feed import ReplicaFeeds
 from cobatch.server.app import FaultRequest, create_app
 from cobatch.server.middleware import ASGIApp, Message, Receive, Scope, Send
 from cobatch.server.settings import ServerSettings
@@ -74,7 +76,8 @@ class CobatchIngress:
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Serve calls this after __init__; the app's lifespan starts and stops the client."""
         app = create_app(self.client, self.tokenizer, self.settings,
-                         inject_fault=self._inject_fault if self.config.enable_fault_injection else None)
+                         inject_fault=self._inject_fault if self.config.enable_fault_injection else None,
+                         dashboard=None if self.config.disable_dashboard else ReplicaFeeds(self.engine))
 
         @app.get("/debug/routing")
         async def routing(limit: int = Query(50, ge=1, le=256)) -> dict[str, Any]:

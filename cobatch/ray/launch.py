@@ -40,7 +40,7 @@ def app_config_from_args(args: argparse.Namespace, engine_config: EngineConfig,
         router=args.router, max_queued_requests=args.max_queued_requests, api_key=settings.api_key,
         max_body_mb=args.max_body_mb, watchdog_timeout_s=args.watchdog_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
-        enable_fault_injection=args.enable_fault_injection)
+        enable_fault_injection=args.enable_fault_injection, disable_dashboard=args.disable_dashboard)
 
 
 def run_replicated(args: argparse.Namespace, engine_config: EngineConfig,

@@ -3,7 +3,8 @@
 Serve calls, besides `generate`: `record_routing_stats` (the controller, every
 request_routing_stats_period_s: what the cobatch router scores with), `check_health` (fails while
 work is pending and no step completes within the watchdog time), and `__del__` at shutdown. The
-ingress also calls `engine_info`, and broadcasts `metrics_text`, `stop_sequence` and `inject_fault`.
+ingress also calls `engine_info`, and broadcasts `metrics_text`, `stop_sequence`, `request_status`,
+`dashboard_feed` (while a page is open) and `inject_fault`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from cobatch.engine import Runner
 from cobatch.metrics import EngineMetrics
 from cobatch.ray.app_config import AppConfig
 from cobatch.ray.chunking import chunked
+from cobatch.ray.dashboard_feed import MAX_FEED_STEPS, FeedBatch
 from cobatch.ray.scoring import ReplicaStats
 from cobatch.ray.wire import (ENGINE_DEAD, REQUEST_FAILED, REQUEST_REJECTED, Chunk, GenerateCall,
                               ReplicaError)
+from cobatch.step_history import HistoryCursor
+from cobatch.wait_reasons import SequenceWaitStatus
 
 _READY_POLL_S = 0.05
 
@@ -41,6 +45,7 @@ class EngineReplica:
             metrics=EngineMetrics(served_model_name, replica=self.name),
             watchdog_timeout_s=config.watchdog_timeout_s)
         self.engine.start()
+        self._feed_cursor = HistoryCursor()
         # Ready only once the model is loaded: Serve routes nothing to a replica still in __init__.
         while self.engine.state == EngineState.STARTING:
             await asyncio.sleep(_READY_POLL_S)
@@ -80,6 +85,14 @@ class EngineReplica:
 
     def engine_info(self) -> EngineInfo | None:
         return self.engine.info
+
+    def dashboard_feed(self) -> FeedBatch:
+        """The steps and finishes recorded since the ingress last asked (for its mirror of the page)."""
+        return FeedBatch.take(self.name, self.engine.history, self._feed_cursor, MAX_FEED_STEPS)
+
+    async def request_status(self, request_id: str) -> list[SequenceWaitStatus] | None:
+        """Why the request's sequences wait, if this replica runs or ran it (GET /debug/requests/{id})."""
+        return await self.engine.request_status(request_id)
 
     def metrics_text(self) -> bytes:
         return self.engine.metrics.render()[0] if self.engine.metrics is not None else b""

@@ -21,12 +21,11 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from cobatch.async_engine import EngineState
-from cobatch.outputs import RequestDelta
 from cobatch.server.dashboard.events import hello_event, request_timeline, sse, tick_event
 from cobatch.server.engine_client import EngineClient
 from cobatch.server.errors import APIError
 from cobatch.server.streaming import SSE_HEADERS
-from cobatch.step_history import StepHistory
+from cobatch.step_history import HistoryCursor, StepHistory
 
 INTERVAL_S = 0.15  # a page's refresh period: steps are batched, never sent one by one
 BACKLOG_STEPS = 300  # what a page that just connected draws at once
@@ -41,8 +40,7 @@ _LIVE_STATES = (EngineState.STARTING, EngineState.READY)
 class _Cursor:
     """What one connection has sent of one replica's history."""
 
-    step: int = -1
-    last_finished: RequestDelta | None = None
+    read: HistoryCursor = field(default_factory=HistoryCursor)
     state: str = ""
     is_new: bool = True  # nothing sent yet: the backlog goes first
 
@@ -97,11 +95,11 @@ async def _event_stream(board: _Dashboard) -> AsyncIterator[str]:
         infos = {name: board.engine.info for name in board.feeds}
         yield f"retry: {RECONNECT_MS}\n\n" + sse("hello", hello_event(
             board.boot_id, board.engine.state.value, int(INTERVAL_S * 1e3), infos))
-        cursors = {name: _Cursor() for name in board.feeds}
+        cursors: dict[str, _Cursor] = {}  # per replica; a replicated deployment's set may grow
         while True:
             state = board.engine.state
             for name, history in board.feeds.items():
-                chunk = _next_tick(name, history, cursors[name], state.value)
+                chunk = _next_tick(name, history, cursors.setdefault(name, _Cursor()), state.value)
                 if chunk:
                     yield chunk
             if state not in _LIVE_STATES:
@@ -113,14 +111,8 @@ async def _event_stream(board: _Dashboard) -> AsyncIterator[str]:
 
 def _next_tick(replica: str, history: StepHistory, cursor: _Cursor, state: str) -> str:
     """The tick event for what `cursor` has not sent yet ("" when nothing changed)."""
-    limit = BACKLOG_STEPS if cursor.is_new else MAX_STEPS_PER_TICK
-    steps = history.steps_after(cursor.step, limit)
-    finished = history.finished_after(cursor.last_finished)[-limit:]
+    steps, finished = cursor.read.take(history, BACKLOG_STEPS if cursor.is_new else MAX_STEPS_PER_TICK)
     if not steps and not finished and state == cursor.state:
         return ""
-    if steps:
-        cursor.step = steps[-1].step
-    if finished:
-        cursor.last_finished = finished[-1]
     cursor.state, cursor.is_new = state, False
     return sse("tick", tick_event(replica, state, steps, finished))
