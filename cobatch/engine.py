@@ -109,7 +109,8 @@ class Engine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request fits the model; return its resolved max_tokens. ValueError if not."""
-        return validate_request(prompt_token_ids, params, self.max_model_len)
+        vocab_size = getattr(getattr(self.runner, "model_config", None), "vocab_size", None)
+        return validate_request(prompt_token_ids, params, self.max_model_len, vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None) -> list[str]:
@@ -244,11 +245,18 @@ class Engine:
         self.num_steps += 1
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int) -> int:
-    """Check a request fits a model of `max_model_len`; return its resolved max_tokens (ValueError if not).
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
+                     vocab_size: int | None = None) -> int:
+    """Check a request fits a model of `max_model_len` (and its vocabulary, when known); return its
+    resolved max_tokens (ValueError if not).
 
     Module-level so that a router in front of several engines checks exactly as each engine does.
+    An id outside the vocabulary would fail the embedding lookup of the whole step it joins.
     """
+    if vocab_size is not None:
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab_size})")
     num_prompt = len(prompt_token_ids)
     if num_prompt == 0:
         raise ValueError("the prompt must contain at least one token")

@@ -33,8 +33,14 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        outputs = [self._add(p, sp, priority[i] if priority else 0)
-                   for i, (p, sp) in enumerate(zip(prompts, params))]
+        outputs: list[RequestOutput] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                outputs.append(self._add(p, sp, priority[i] if priority else 0))
+        except ValueError:  # a refused prompt: none of the call's prompts stays queued
+            for output in outputs:
+                self.engine.abort_request(output.request_id)
+            raise
         self._run(outputs, params, use_tqdm)
         return outputs
 

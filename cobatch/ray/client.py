@@ -153,7 +153,7 @@ class RoutedEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         if self.info is None:
             raise EngineDeadError("the engine is not ready")
-        return validate_request(prompt_token_ids, params, self.info.max_model_len)
+        return validate_request(prompt_token_ids, params, self.info.max_model_len, self.info.vocab_size)
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      priority: int = 0) -> RequestStream:
