@@ -98,6 +98,8 @@ class LLM:
     def _apply(self, output: RequestOutput, delta: RequestDelta, stream: TextStream) -> int:
         """Fold one delta into the output; returns 1 when that sequence has just finished."""
         completion = output.outputs[delta.index]
+        if delta.prompt_logprobs is not None:
+            output.prompt_logprobs = list(delta.prompt_logprobs)
         if completion.finish_reason is not None:
             return 0  # already closed by a stop string
         completion.token_ids.extend(delta.new_token_ids)

@@ -45,6 +45,9 @@ class RequestDelta:
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None  # a copy, on the finishing delta only
     error: str | None = None
+    # sampling_params.prompt_logprobs: one entry per prompt token (None for the first), once, on the
+    # first delta after the prompt was computed (the one with the first token).
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -73,3 +76,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics | None = None
     finished: bool = False
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with sampling_params.prompt_logprobs

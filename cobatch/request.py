@@ -63,6 +63,10 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # sampling_params.prompt_logprobs: the entries of prompt tokens 1.. as their prefill chunks ran,
+    # handed out once, on the first delta after the prompt is computed.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    has_sent_prompt_logprobs: bool = False
     stop_reason: int | str | None = None
     is_padding: bool = False  # static batching: finished, but its row is kept until the batch ends
     # Hashes of the full blocks of token_ids, computed incrementally (prefix caching).
@@ -104,6 +108,20 @@ class Request:
     @property
     def is_prompt_computed(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and some prompt positions are not scored yet."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprobs | None, ...] | None:
+        """The prompt logprobs (None for the first token) once they are complete; None before, and after."""
+        if (self.sampling_params.prompt_logprobs is None or self.has_sent_prompt_logprobs
+                or self.needs_prompt_logprobs):
+            return None
+        self.has_sent_prompt_logprobs = True
+        return (None, *self.prompt_logprobs)
 
     def is_past_deadline(self, now: float) -> bool:
         return self.deadline_time is not None and now >= self.deadline_time

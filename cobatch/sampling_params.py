@@ -101,6 +101,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # number of top log-probabilities per generated token
+    # Number of top log-probabilities per prompt position (the first position has none), computed
+    # in the prefill (vLLM's prompt_logprobs). 0: only the prompt token's own logprob.
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool = True
     # End the request this long after its arrival, with finish_reason "deadline" (a stop condition
@@ -150,6 +153,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.deadline_ms is not None and not (math.isfinite(self.deadline_ms) and self.deadline_ms > 0):
@@ -169,7 +174,11 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def for_sample(self, index: int) -> SamplingParams:
-        """Params for the index-th of n parallel samples: n=1, and a distinct derived seed."""
+        """Params for the index-th of n parallel samples: n=1, and a distinct derived seed.
+
+        The prompt is the same for all n: only sample 0 computes its prompt logprobs (the others
+        then read the prompt from the prefix cache)."""
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 

@@ -394,7 +394,8 @@ class Scheduler:
     def _admit(self, plan: _StepPlan, request: Request) -> str | None:
         """Seat `request` with its first chunk; the reason it cannot be (None: admitted)."""
         bm = self.block_manager
-        cached = bm.find_cached_prefix(request)
+        # Prompt logprobs need every prompt position's logits: no cache hit until they are all scored.
+        cached = [] if request.needs_prompt_logprobs else bm.find_cached_prefix(request)
         num_cached = len(cached) * bm.block_size
         num_new = request.num_tokens - num_cached
         if not self.config.enable_chunked_prefill and num_new > plan.budget:
@@ -438,7 +439,8 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens, num_new_tokens=num_new + len(drafts),
             block_table=self.block_manager.block_tables[request.request_id],
             sampling_params=request.sampling_params, needs_sample=end == request.num_tokens,
-            spec_token_ids=drafts))
+            spec_token_ids=drafts,
+            prompt_logprobs_from=len(request.prompt_logprobs) if request.needs_prompt_logprobs else None))
         plan.budget -= num_new + len(drafts)
         plan.num_context_tokens += end + len(drafts)
         plan.scheduled.add(request.request_id)
@@ -473,6 +475,7 @@ class Scheduler:
             request = self.requests.get(row.request_id)
             if request is None or row.is_padding or request.status != RequestStatus.RUNNING:
                 continue  # aborted since scheduling, or a padding row
+            self._add_prompt_logprobs(request, row, runner_output)
             if not row.needs_sample:
                 request.num_computed_tokens += row.num_new_tokens
                 self.block_manager.cache_full_blocks(request)
@@ -483,6 +486,13 @@ class Scheduler:
                 deltas.append(self._verify(request, row, samples[first:taken], logprobs[first:taken], now))
         assert taken == len(samples) == len(logprobs), "one sample per sampled position"
         return deltas
+
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, row: ScheduledRow, runner_output: RunnerOutput) -> None:
+        entries = runner_output.prompt_logprobs.get(row.request_id)
+        if entries:
+            assert row.prompt_logprob_positions.start == len(request.prompt_logprobs), "a gap in prompt logprobs"
+            request.prompt_logprobs.extend(entries)
 
     def _append_sample(self, request: Request, token_id: int, logprobs: TokenLogprobs | None,
                        now: float) -> RequestDelta:
@@ -525,7 +535,8 @@ class Scheduler:
             request_id=request.request_id, parent_id=request.parent_id, index=request.index,
             new_token_ids=new_token_ids, new_logprobs=new_logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens)
+            num_output_tokens=request.num_output_tokens,
+            prompt_logprobs=request.take_prompt_logprobs())
 
     def fail_step(self, output: SchedulerOutput, error: str) -> list[RequestDelta]:
         """The runner raised: finish this step's requests with an error; the rest go on."""
@@ -562,7 +573,8 @@ class Scheduler:
             new_token_ids=new_token_ids, new_logprobs=tuple(last_logprobs),
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens, finish_reason=status.finish_reason,
-            stop_reason=request.stop_reason, metrics=replace(request.metrics), error=error)
+            stop_reason=request.stop_reason, metrics=replace(request.metrics), error=error,
+            prompt_logprobs=request.take_prompt_logprobs())
 
     def _observe_output_length(self, num_output_tokens: int) -> None:
         # A moving mean over about the last 32 sequences: what a router expects a seat to last.

@@ -6,7 +6,8 @@ of each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from cobatch.sampling_params import SamplingParams
 
@@ -44,11 +45,23 @@ class ScheduledRow:
     # A finished request whose row is kept only as padding (static batching): computed, output dropped.
     is_padding: bool = False
     spec_token_ids: tuple[int, ...] = ()  # draft tokens fed after the known ones (speculative decoding)
+    # Prompt logprobs (sampling_params.prompt_logprobs): the first prompt position whose logits are
+    # still wanted (positions before it were scored in earlier steps); None: the row wants none.
+    prompt_logprobs_from: int | None = None
 
     @property
     def num_samples(self) -> int:
         """Tokens the runner samples for this row: one per fed position from the last known token on."""
         return 1 + len(self.spec_token_ids) if self.needs_sample else 0
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """The positions fed this step whose logits score the next prompt token (p scores token p + 1)."""
+        if self.prompt_logprobs_from is None:
+            return range(0)
+        start = max(self.num_computed_tokens, self.prompt_logprobs_from)
+        end = min(self.num_computed_tokens + self.num_new_tokens, self.num_prompt_tokens - 1)
+        return range(start, max(start, end))
 
     @property
     def num_output_tokens(self) -> int:
@@ -97,3 +110,6 @@ class RunnerOutput:
     # the measured copy time that preemption_mode auto weighs against recomputing.
     num_copied_blocks: int = 0
     copy_s: float = 0.0
+    # Rows with prompt_logprob_positions: request id -> one entry per such position, in order (the
+    # prompt token that follows it, its logprob, rank and the top alternatives).
+    prompt_logprobs: Mapping[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)

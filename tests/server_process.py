@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import openai
+
 from cobatch.testing.server import free_port, terminate, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,3 +76,8 @@ def metric(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
+
+
+def openai_client(proc: ServerProcess, api_key: str = "none") -> openai.OpenAI:
+    """The official client on the server's /v1, without retries (a test sees every error as it came)."""
+    return openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key=api_key, max_retries=0)

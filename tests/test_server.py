@@ -226,7 +226,7 @@ BAD_REQUESTS = [
     ("bad_logit_bias_key", COMPLETIONS, {"prompt": "x", "logit_bias": {"abc": 1.0}}, 400),
     ("oov_logit_bias", COMPLETIONS, {"prompt": "x", "logit_bias": {"99999999": 1.0}}, 400),
     ("logit_bias_range", COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 500.0}}, 400),
-    ("batched_prompts", COMPLETIONS, {"prompt": ["a", "b"]}, 400),
+    ("batched_prompt_empty", COMPLETIONS, {"prompt": ["a", ""]}, 400),
     ("empty_messages", CHAT, {"messages": []}, 400),
     ("empty_prompt", COMPLETIONS, {"prompt": ""}, 400),
     ("image_part", CHAT, {"messages": [{"role": "user", "content": [

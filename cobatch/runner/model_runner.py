@@ -24,6 +24,7 @@ from cobatch.models.llama import LlamaForCausalLM, scope
 from cobatch.models.loader import load_model, release_freed_heap, resolve_model_path
 from cobatch.models.model_config import ModelConfig
 from cobatch.runner.layer_loop import native_layer_loop
+from cobatch.runner.prompt_logprobs import prompt_logprobs as compute_prompt_logprobs
 from cobatch.runner.sampler import Sampler
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
 
@@ -123,20 +124,24 @@ class ModelRunner:
         t1 = time.perf_counter()
         layer_loop = self.native_decoder if batch.meta.kernel is not None and not self._profiling else None
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches, self._profiling,
-                            *batch.keep(), layer_loop=layer_loop)  # [R, H]: the rows that sample
+                            *batch.keep(), layer_loop=layer_loop)  # [R + Q, H]: samples, then prompt positions
+        num_sampled = hidden.shape[0] - batch.num_prompt_positions
         t2 = time.perf_counter()
         with scope("lm_head", self._profiling):
-            logits = self.model.compute_logits(hidden)  # [R, V] model dtype
+            logits = self.model.compute_logits(hidden[:num_sampled])  # [R, V] model dtype
         t3 = time.perf_counter()
         sampled_rows = [row for row in out.rows for _ in range(row.num_samples)]  # [R]: logits' rows
         result = self.sampler(logits, sampled_rows, self.eos_token_ids) if sampled_rows else None
+        prompt_logprobs = (compute_prompt_logprobs(hidden[num_sampled:], out.rows, self.model.compute_logits)
+                           if batch.num_prompt_positions else {})
         t4 = time.perf_counter()
         # Disjoint parts of the step (bench offline --profile sums them over a run).
         self.last_timings = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "lm_head_s": t3 - t2,
                              "sample_s": t4 - t3}
         if result is None:
-            return RunnerOutput((), (), **copies)
-        return RunnerOutput(tuple(result.token_ids), tuple(result.logprobs), **copies)
+            return RunnerOutput((), (), prompt_logprobs=prompt_logprobs, **copies)
+        return RunnerOutput(tuple(result.token_ids), tuple(result.logprobs), prompt_logprobs=prompt_logprobs,
+                            **copies)
 
     def profile_step(self, out: SchedulerOutput) -> dict[str, float]:
         """Execute `out` once, timed by part: seconds per part of the step, summed over layers.
@@ -214,14 +219,17 @@ def _pair_indices(pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch
 class Batch:
     """Flat step inputs: token ids and positions [T], attention metadata, positions to sample [R]."""
 
-    __slots__ = ("input_ids", "positions", "meta", "sample_indices", "sample_tiles", "samples_all_in_order")
+    __slots__ = ("input_ids", "positions", "meta", "sample_indices", "sample_tiles", "samples_all_in_order",
+                 "num_prompt_positions")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  sample_indices: torch.Tensor, sample_tiles: torch.Tensor | None = None,
-                 samples_all_in_order: bool = False) -> None:
+                 samples_all_in_order: bool = False, num_prompt_positions: int = 0) -> None:
         self.input_ids, self.positions, self.meta = input_ids, positions, meta
-        # [R]: the flat token of each sample, in `rows` order (a row's last num_samples tokens)
+        # [R]: the flat token of each sample, in `rows` order (a row's last num_samples tokens), then
+        # the last num_prompt_positions: the tokens whose logits give prompt logprobs
         self.sample_indices = sample_indices
+        self.num_prompt_positions = num_prompt_positions
         # [R, 4] (native attention only): each sampled token alone as an attention tile over its row's
         # blocks (row, its index in sample_indices, 1, context): the last layer attends for just these.
         self.sample_tiles = sample_tiles
@@ -245,7 +253,7 @@ def prepare_batch(rows: Sequence[ScheduledRow], block_size: int, device: torch.d
     """
     if attention_kernel is not None and all(  # one known token per row (and its drafts): decode
             r.num_new_tokens == 1 + len(r.spec_token_ids) <= attention_kernel.tile_tokens and not r.is_padding
-            for r in rows):
+            and r.prompt_logprobs_from is None for r in rows):
         return _prepare_decode(rows, block_size, device, attention_kernel)
     return _prepare_any(rows, block_size, device, attention_kernel, scratch_slot)
 
@@ -282,19 +290,27 @@ def _prepare_any(rows: Sequence[ScheduledRow], block_size: int, device: torch.de
     else:
         _add_torch_metadata(meta, block_tables, starts, counts, ends, block_size, device)
     # One entry per sampled position, in `rows` order: a row samples its last num_samples tokens (one,
-    # or its last known token and each draft of a speculative row).
+    # or its last known token and each draft of a speculative row); then, in `rows` order too, the
+    # positions whose logits give prompt logprobs (runner/prompt_logprobs.py).
     position_in_order = {row_index: k for k, row_index in enumerate(order)}
-    sampled = torch.tensor([position_in_order[i] for i, r in enumerate(rows) for _ in range(r.num_samples)],
-                           dtype=torch.int64)  # [S]: the ordered row of each sample
-    before_last = torch.tensor([r.num_samples - 1 - j for r in rows for j in range(r.num_samples)],
-                               dtype=torch.int64)  # [S]: tokens between the sampled one and its row's last
-    context = starts[sampled] + counts[sampled] - before_last  # [S]: the sampled token's position + 1
+    sampled = [position_in_order[i] for i, r in enumerate(rows) for _ in range(r.num_samples)]
+    positions_kept = [r.num_computed_tokens + r.num_new_tokens - r.num_samples + j
+                      for r in rows for j in range(r.num_samples)]
+    num_prompt = 0
+    for i, r in enumerate(rows):
+        scored = r.prompt_logprob_positions
+        sampled += [position_in_order[i]] * len(scored)
+        positions_kept += scored
+        num_prompt += len(scored)
+    kept_row = torch.tensor(sampled, dtype=torch.int64)  # [S + Q]: the ordered row of each kept token
+    context = torch.tensor(positions_kept, dtype=torch.int64) + 1  # [S + Q]: its position + 1
     sample_tiles = None
     if attention_kernel is not None:
-        sample_tiles = torch.stack([sampled, torch.arange(len(sampled)), torch.ones_like(sampled), context],
+        sample_tiles = torch.stack([kept_row, torch.arange(len(sampled)), torch.ones_like(kept_row), context],
                                    dim=1).to(device)
-    return Batch(torch.tensor(token_ids, device=device), positions.to(device), meta,
-                 (ends[sampled] - 1 - before_last).to(device), sample_tiles)
+    flat = ends[kept_row] - counts[kept_row] + context - 1 - starts[kept_row]  # [S + Q]
+    return Batch(torch.tensor(token_ids, device=device), positions.to(device), meta, flat.to(device),
+                 sample_tiles, num_prompt_positions=num_prompt)
 
 
 def _prepare_decode(rows: Sequence[ScheduledRow], block_size: int, device: torch.device,

@@ -205,18 +205,25 @@ def compute_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
     idx = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not idx:
         return out
-    logprobs = raw[idx].log_softmax(dim=-1)  # [L, V]
-    chosen = logprobs.gather(1, token_ids[idx].unsqueeze(1))  # [L, 1]
+    entries = logprob_entries(raw[idx].log_softmax(dim=-1), token_ids[idx],
+                              [params[i].logprobs or 0 for i in idx])
+    for i, entry in zip(idx, entries):
+        out[i] = entry
+    return out
+
+
+def logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                    num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """logprobs [L, V] (log_softmax'd), token_ids [L]: each token's logprob, rank and its row's top
+    num_top alternatives (the sampler's, and the prompt's: runner/prompt_logprobs.py)."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [L, 1]
     ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-    max_k = max(params[i].logprobs or 0 for i in idx)
-    top_vals: list[list[float]] = [[] for _ in idx]
-    top_ids: list[list[int]] = [[] for _ in idx]
+    max_k = max(num_top, default=0)
+    top_vals: list[list[float]] = [[] for _ in num_top]
+    top_ids: list[list[int]] = [[] for _ in num_top]
     if max_k:
         values, indices = logprobs.topk(max_k, dim=-1)  # [L, max_k], most likely first
         top_vals, top_ids = values.tolist(), indices.tolist()
-    chosen_list, chosen_ids = chosen.squeeze(1).tolist(), token_ids[idx].tolist()
-    for j, i in enumerate(idx):
-        k = params[i].logprobs or 0
-        top = tuple(zip(top_ids[j][:k], top_vals[j][:k]))
-        out[i] = TokenLogprobs(chosen_ids[j], chosen_list[j], ranks[j], top)
-    return out
+    chosen_list, chosen_ids = chosen.squeeze(1).tolist(), token_ids.tolist()
+    return [TokenLogprobs(chosen_ids[j], chosen_list[j], ranks[j], tuple(zip(top_ids[j][:k], top_vals[j][:k])))
+            for j, k in enumerate(num_top)]

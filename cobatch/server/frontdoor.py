@@ -51,7 +51,7 @@ class ServingContext:
     async_engine: EngineClient
     tokenizer: Tokenizer
     settings: ServerSettings
-    _token_text: dict[int, str] = field(default_factory=dict)
+    _token_text: dict[tuple[int, bool], str] = field(default_factory=dict)
 
     # ---- checks -----------------------------------------------------------------------------------
 
@@ -87,10 +87,10 @@ class ServingContext:
         if bad is not None:
             raise bad_request(f"token id {bad} is out of the vocabulary [0, {vocab})", param)
 
-    def check_queue(self) -> None:
-        """429 + Retry-After when the waiting queue is at its bound."""
+    def check_queue(self, num_new: int = 1) -> None:
+        """429 + Retry-After when the waiting queue has no room for `num_new` more requests."""
         bound = self.settings.max_queued_requests
-        if bound is not None and self.async_engine.num_queued_requests >= bound:
+        if bound is not None and self.async_engine.num_queued_requests + num_new > bound:
             raise overloaded(f"the server is overloaded: {bound} requests are already waiting; "
                              "retry later", self.settings.retry_after_s)
 
@@ -133,12 +133,13 @@ class ServingContext:
             items.append((token_id, value))
         return tuple(items)
 
-    def token_text(self, token_id: int) -> str:
-        """A token's own text (for logprobs), cached."""
-        text = self._token_text.get(token_id)
+    def token_text(self, token_id: int, skip_special_tokens: bool = False) -> str:
+        """A token's own text (for logprobs), cached; a special token is "" where `text` skips it too."""
+        key = (token_id, skip_special_tokens)
+        text = self._token_text.get(key)
         if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text[token_id] = text
+            text = self.tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
+            self._token_text[key] = text
         return text
 
     # ---- submit ----------------------------------------------------------------------------------
@@ -146,15 +147,40 @@ class ServingContext:
     async def submit(self, prefix: str, prompt_token_ids: list[int], params: SamplingParams,
                      priority: int, user: str | None) -> Submission:
         """Length check, queue bound, then hand the request to the engine (joins its next step)."""
+        return (await self.submit_all(prefix, [prompt_token_ids], params, priority, user))[0]
+
+    async def submit_all(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
+                         priority: int, user: str | None) -> list[Submission]:
+        """Every prompt checked first (a 400 naming the bad one: nothing runs), then each submitted as
+        its own request, back to back in this event-loop turn, so they join the same engine step."""
         self.check_available()
-        self.check_token_ids(prompt_token_ids, "prompt")
+        for index, prompt_token_ids in enumerate(prompts):
+            self._check_prompt(prompt_token_ids, params, f"prompt {index} of {len(prompts)}: "
+                               if len(prompts) > 1 else "")
+        self.check_queue(len(prompts))
+        submissions: list[Submission] = []
         try:
+            for prompt_token_ids in prompts:
+                submissions.append(await self._submit_checked(prefix, prompt_token_ids, params, priority, user))
+        except BaseException:
+            for sub in submissions:  # a later one was refused (a routed engine): none of them runs
+                self.async_engine.abort(sub.request_id)
+            raise
+        return submissions
+
+    def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams, which: str) -> None:
+        try:
+            self.check_token_ids(prompt_token_ids, "prompt")
             self.async_engine.validate(prompt_token_ids, params)
+        except APIError as exc:
+            raise bad_request(which + exc.message, "prompt") from exc
         except ValueError as exc:
-            raise bad_request(str(exc), "max_tokens" if prompt_token_ids else "prompt") from exc
+            raise bad_request(which + str(exc), "max_tokens" if prompt_token_ids else "prompt") from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="service_unavailable") from exc
-        self.check_queue()
+
+    async def _submit_checked(self, prefix: str, prompt_token_ids: list[int], params: SamplingParams,
+                              priority: int, user: str | None) -> Submission:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             stream = await self.async_engine.submit(request_id, prompt_token_ids, params, priority)

@@ -36,6 +36,8 @@ class GenerationTracker:
     params: SamplingParams
     streams: list[TextStream] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # per choice, up to its finish
+    # With params.prompt_logprobs: one entry per prompt token (None first), from sample 0's first delta.
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     def __post_init__(self) -> None:
         self.streams = [TextStream(self.tokenizer, self.params, self.prompt_token_ids)
@@ -51,6 +53,8 @@ class GenerationTracker:
 
     def update(self, delta: RequestDelta) -> ChoiceUpdate | None:
         """The choice update a delta makes; None once the choice has finished (on a stop string)."""
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         stream = self.streams[delta.index]
         if stream.is_finished:
             return None  # tokens the engine made before our stop reached it: dropped

@@ -92,6 +92,8 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's extension: the top logprobs of every prompt position, in vLLM's shape (choices[i].prompt_logprobs).
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
@@ -105,6 +107,14 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """vLLM's Logprob: a token's logprob at one prompt position, its rank (1: the most likely), its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(_Response):
     """One choice of a completion (or of a completion stream chunk)."""
 
@@ -113,6 +123,9 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With the prompt_logprobs extension (vLLM's shape): per prompt token (None for the first), the
+    # prompt token and the top alternatives by token id.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class Usage(_Response):

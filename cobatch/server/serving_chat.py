@@ -66,23 +66,26 @@ def render_messages(ctx: ServingContext, messages: list[ChatMessage],
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from exc
 
 
-def _top(ctx: ServingContext, token_id: int, logprob: float) -> TopLogprob:
-    text = ctx.token_text(token_id)
+def _top(ctx: ServingContext, token_id: int, logprob: float, skip_special_tokens: bool) -> TopLogprob:
+    text = ctx.token_text(token_id, skip_special_tokens)  # "" for a special token `content` skips too
     return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
 
 
-def _chat_logprobs(ctx: ServingContext, entries: tuple[TokenLogprobs, ...]) -> ChatLogprobs:
+def _chat_logprobs(ctx: ServingContext, entries: tuple[TokenLogprobs, ...],
+                   skip_special_tokens: bool) -> ChatLogprobs:
     content = []
     for entry in entries:
-        top = _top(ctx, entry.token_id, entry.logprob)
+        top = _top(ctx, entry.token_id, entry.logprob, skip_special_tokens)
         content.append(ChatTokenLogprob(token=top.token, logprob=top.logprob, bytes=top.bytes,
-                                        top_logprobs=[_top(ctx, t, lp) for t, lp in entry.top]))
+                                        top_logprobs=[_top(ctx, t, lp, skip_special_tokens)
+                                                      for t, lp in entry.top]))
     return ChatLogprobs(content=content)
 
 
 async def _collect(ctx: ServingContext, sub: Submission) -> ChatCompletionResponse:
     n = sub.tracker.params.n
     wants_logprobs = sub.tracker.params.logprobs is not None
+    skip = sub.tracker.params.skip_special_tokens
     texts = [""] * n
     logprobs = [ChatLogprobs(content=[]) if wants_logprobs else None for _ in range(n)]
     finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
@@ -93,7 +96,7 @@ async def _collect(ctx: ServingContext, sub: Submission) -> ChatCompletionRespon
                 texts[update.index] += update.text
                 target = logprobs[update.index]
                 if target is not None and target.content is not None:
-                    target.content += _chat_logprobs(ctx, update.logprobs).content or []
+                    target.content += _chat_logprobs(ctx, update.logprobs, skip).content or []
                 if update.finish_reason is not None:
                     finish[update.index] = (update.finish_reason, update.stop_reason)
     except (RequestFailedError, EngineDeadError) as exc:
@@ -113,6 +116,7 @@ async def _stream(ctx: ServingContext, sub: Submission, include_usage: bool) -> 
                                        usage=usage))  # type: ignore[arg-type]
 
     wants_logprobs = sub.tracker.params.logprobs is not None
+    skip = sub.tracker.params.skip_special_tokens
     # OpenAI's first chunk of each choice carries the role (and empty content).
     for i in range(sub.tracker.params.n):
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
@@ -120,7 +124,7 @@ async def _stream(ctx: ServingContext, sub: Submission, include_usage: bool) -> 
         async with aclosing(choice_updates(ctx.async_engine, sub.request_id, sub.stream,
                                            sub.tracker)) as updates:
             async for update in updates:
-                lp = _chat_logprobs(ctx, update.logprobs) if wants_logprobs else None
+                lp = _chat_logprobs(ctx, update.logprobs, skip) if wants_logprobs else None
                 if not (update.text or update.finish_reason or (lp and lp.content)):
                     continue
                 yield chunk([ChatChunkChoice(
