@@ -65,6 +65,18 @@ def test_with_n_samples_each_unfinished_sequence_moves_on_its_own() -> None:
     assert out is not None and (out.index, out.request_id) == (1, seq_id("cmpl-1", 1, 2))
 
 
+def test_a_continuation_asks_for_prompt_logprobs_only_if_none_were_delivered() -> None:
+    """They come with a sequence's first token: after that a continuation's prompt (prompt + delivered
+    tokens) must not score them again; before it, the continuation's prompt is the prompt itself."""
+    p = progress(max_tokens=8, prompt_logprobs=2)
+    first = p.first_leg(100.0)
+    fresh = p.continuation(0, 100.0)
+    assert isinstance(fresh, Leg) and fresh.call.params.prompt_logprobs == 2
+    p.to_client(first, delta("cmpl-1", 0, (11,)))
+    moved = p.continuation(0, 100.0)
+    assert isinstance(moved, Leg) and moved.call.params.prompt_logprobs is None
+
+
 def test_nothing_left_to_run_finishes_locally() -> None:
     p = progress(max_tokens=2, deadline_ms=100.0)
     first = p.first_leg(100.0)

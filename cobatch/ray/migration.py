@@ -121,7 +121,9 @@ class RequestProgress:
             return self.finish_locally(index, "length")
         params = dataclasses.replace(
             params, max_tokens=None if params.max_tokens is None else params.max_tokens - len(done),
-            min_tokens=max(params.min_tokens - len(done), 0))
+            min_tokens=max(params.min_tokens - len(done), 0),
+            # came with the first delivered token; until then the continuation's prompt is the prompt
+            prompt_logprobs=None if done else params.prompt_logprobs)
         call = GenerateCall(f"{seq_id(self.request_id, index, self.n)}~{self.num_migrations}",
                             self.prompt_token_ids + tuple(done),
                             self._with_deadline(params, now_s), self.priority)
