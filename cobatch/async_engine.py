@@ -573,4 +573,6 @@ def _load_for_serving(config: EngineConfig, wrap_runner: Callable[[Runner], Runn
     """Load the engine and make its KV pool resident, so the server's memory is flat from the start."""
     engine = Engine.from_config(config, wrap_runner=wrap_runner)
     engine.prefault_kv_cache()
+    if engine.structured_outputs is not None:  # the grammar backend's tokenizer info, built in the background
+        engine.structured_outputs.warm_up()
     return engine

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cobatch.config import EngineConfig, SchedulerConfig
 from cobatch.cost_model import CopyTimeEstimate, StepTimeModel, predict_recompute_s
@@ -15,7 +15,16 @@ from cobatch.request import Request, RequestStatus
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler import Scheduler, SchedulerStats
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
+from cobatch.structured_output.grammar_spec import check_grammar
+from cobatch.structured_output.manager import StructuredOutputManager, load_backend
+from cobatch.structured_output.request_grammar import RequestGrammar
 from cobatch.wait_reasons import SequenceWaitStatus, StepWaits
+
+if TYPE_CHECKING:
+    from cobatch.structured_output.bitmask import GrammarBitmask  # torch: only where a model runs
+
+# A step with no row while grammars compile waits this long for one to finish (instead of spinning).
+_COMPILE_WAIT_S = 0.02
 
 
 class Runner(Protocol):
@@ -26,6 +35,8 @@ class Runner(Protocol):
     max_model_len: int
     eos_token_ids: tuple[int, ...]
 
+    # execute(output, grammar_bitmask=...) too when a row is constrained (ModelRunner: the masks go
+    # on the logits before sampling); runners that never see constrained rows need not take it.
     def execute(self, output: SchedulerOutput) -> RunnerOutput: ...
 
 
@@ -68,8 +79,11 @@ class Engine:
     """Owns the scheduler and the runner; single-threaded by design (see AsyncEngine)."""
 
     def __init__(self, runner: Runner, scheduler_config: SchedulerConfig,
-                 stats_history: int | None = 4096) -> None:
+                 stats_history: int | None = 4096,
+                 structured_outputs: StructuredOutputManager | None = None) -> None:
         self.runner = runner
+        # Grammars for sampling_params.structured_outputs (None: such requests are refused).
+        self.structured_outputs = structured_outputs
         self.config = scheduler_config
         self.step_time_model = StepTimeModel()  # every step
         # Pure decode steps only: a prefill token costs a fraction of a decode row (GEMM efficiency),
@@ -93,7 +107,8 @@ class Engine:
             runner = wrap_runner(runner)
         scheduler_config = config.scheduler_config(
             runner.num_kv_blocks, runner.num_swap_blocks, runner.max_model_len)
-        return cls(runner, scheduler_config, stats_history)
+        structured = StructuredOutputManager(load_backend(config.model, runner.eos_token_ids))
+        return cls(runner, scheduler_config, stats_history, structured)
 
     def prefault_kv_cache(self) -> None:
         """Make the KV pool resident before serving (see ModelRunner.prefault_kv_cache)."""
@@ -118,6 +133,8 @@ class Engine:
         if request_id in self._unfinished:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
+        if params.structured_outputs is not None and self.structured_outputs is None:
+            raise ValueError("structured_outputs: this engine has no grammar backend")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         first: Request | None = None
         ids = []
@@ -128,6 +145,8 @@ class Engine:
                               parent_id=request_id, index=index, waits_for=first,
                               arrival_time=arrival)
             first = first or request
+            if params.structured_outputs is not None and self.structured_outputs is not None:
+                request.grammar = self.structured_outputs.grammar_for(seq_id, params.structured_outputs)
             self.scheduler.add_request(request)
             ids.append(seq_id)
         self._unfinished[request_id] = set(ids)
@@ -158,15 +177,17 @@ class Engine:
         """Run one iteration over the current batch; returns the deltas it produced."""
         start = time.monotonic()
         # Before scheduling, so that no row is given to a request whose deadline has passed.
-        expired = self.scheduler.expire_deadlines(start)
+        expired = self.scheduler.expire_deadlines(start) + self._fail_grammars()
         output = self.scheduler.schedule()
+        grammar_bitmask = self._grammar_bitmask(output)
         scheduled = time.monotonic()
         predicted_s = self._predict(output)
         deltas: list[RequestDelta]
         # A failed step fails its requests, not the engine; a BaseException (KeyboardInterrupt, the
         # engine_death fault of cobatch.testing) is not a failed step and ends the engine loop.
         try:
-            runner_output = self.runner.execute(output)
+            runner_output = (self.runner.execute(output) if grammar_bitmask is None else
+                             self.runner.execute(output, grammar_bitmask=grammar_bitmask))  # type: ignore[call-arg]
         except Exception as exc:  # noqa: BLE001
             deltas = self.scheduler.fail_step(output, f"{type(exc).__name__}: {exc}")
         else:
@@ -177,6 +198,31 @@ class Engine:
         self._record(output, deltas, start, scheduled, end, predicted_s)
         self._forget_finished(deltas)
         return deltas
+
+    def _fail_grammars(self) -> list[RequestDelta]:
+        """Sequences whose grammar failed to compile end with the error (before any token)."""
+        if self.structured_outputs is None or not self.structured_outputs.has_pending:
+            return []
+        deltas = []
+        for seq_id, error in self.structured_outputs.take_compile_errors():
+            delta = self.scheduler.abort_request(seq_id, RequestStatus.FINISHED_ERROR,
+                                                 error=f"structured_outputs: {error}")
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _grammar_bitmask(self, output: SchedulerOutput) -> GrammarBitmask | None:
+        """The step's token masks of constrained rows; a step with no row waits a little for a compile."""
+        structured = self.structured_outputs
+        if structured is None or not structured.is_active:
+            return None
+        if not output.rows and structured.has_pending:
+            structured.wait_for_compile(_COMPILE_WAIT_S)
+        return structured.bitmask(output.rows, self._grammar_of)
+
+    def _grammar_of(self, seq_id: str) -> RequestGrammar | None:
+        request = self.scheduler.requests.get(seq_id)
+        return request.grammar if request is not None else None  # type: ignore[return-value]
 
     def predict_step_s(self, num_rows: int, num_tokens: int, num_context_tokens: int) -> float:
         """Predicted seconds of a step of this shape (0 until the models have seen enough steps)."""
@@ -257,6 +303,8 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, max_mo
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+    if params.structured_outputs is not None:
+        check_grammar(params.structured_outputs)  # an unsupported or invalid constraint: a 400 naming it
     num_prompt = len(prompt_token_ids)
     if num_prompt == 0:
         raise ValueError("the prompt must contain at least one token")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from cobatch.outputs import RequestMetrics
 from cobatch.sampling_params import SamplingParams
@@ -43,6 +44,18 @@ _FINISH_REASONS = {
 }
 
 
+class OutputGrammar(Protocol):
+    """A constrained sequence's grammar state (cobatch/structured_output's RequestGrammar)."""
+
+    @property
+    def is_ready(self) -> bool: ...  # compiled: the sequence may be scheduled
+
+    @property
+    def is_terminated(self) -> bool: ...  # the grammar is complete: the sequence stops
+
+    def accept_token(self, token_id: int) -> None: ...
+
+
 @dataclass(slots=True)
 class Request:
     """One sequence being generated. `n` parallel samples are `n` Requests sharing `parent_id`."""
@@ -73,6 +86,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     ngram_index: NgramIndex | None = None  # speculative decoding's lookup table, built on first use
     wait: WaitRecord = field(default_factory=WaitRecord)  # its steps without a row (wait_ledger.py)
+    grammar: OutputGrammar | None = None  # sampling_params.structured_outputs, set by the engine
     metrics: RequestMetrics = field(init=False)
     deadline_time: float | None = field(init=False)  # time.monotonic() it must be done by, if any
 
@@ -129,6 +143,8 @@ class Request:
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None, now: float) -> None:
         """Record one sampled token (called only from Scheduler.update)."""
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
         if self.metrics.first_token_time is None:
@@ -143,6 +159,8 @@ class Request:
             self.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if past_min and not self.sampling_params.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.is_terminated:  # complete: nothing more may follow
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -34,10 +34,13 @@ class StructuredOutputsParams:
 
     `json`: a JSON schema (dict or JSON text; stored as compact JSON text so the object stays hashable);
     `regex`: the whole output matches it; `choice`: the output is one of these strings; `grammar`: a
-    context-free grammar in the backend's syntax (docs/SERVER.md "Structured outputs"); `json_object`:
-    any JSON object. `disable_any_whitespace`: JSON without free whitespace between tokens;
-    `disable_additional_properties`: objects in `json` carry only their declared properties unless the
-    schema itself allows more (OpenAI's strict mode).
+    context-free grammar, in Lark (llguidance's dialect) or GBNF (llama.cpp's), told apart by the text
+    (docs/SERVER.md "Structured outputs"); `json_object`: any JSON object. `disable_any_whitespace`:
+    JSON without free whitespace between tokens; `disable_additional_properties`: objects in `json`
+    carry only their declared properties unless the schema itself allows more (OpenAI's strict mode);
+    `lenient`: JSON-schema keywords the backend does not implement are ignored instead of refused;
+    `whitespace_pattern`: a regex for the whitespace JSON may put between its tokens (None: one
+    optional newline and up to 32 spaces or tabs, so a sampled output cannot wander off in blanks).
     """
 
     json: str | dict[str, Any] | None = None
@@ -47,6 +50,8 @@ class StructuredOutputsParams:
     json_object: bool = False
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    lenient: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         if self.json is not None:

@@ -23,7 +23,7 @@ from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
 from cobatch.slo import SloStepBudget
 from cobatch.spec_decode import NgramProposer, accepted_tokens, min_acceptance
 from cobatch.wait_ledger import FINISHED, RUNNING, SWAPPED, WAITING, WaitLedger
-from cobatch.wait_reasons import (CHEAPER, CONFIGURED, KV_BLOCKS, MAX_NUM_SEQS, PREEMPTING,
+from cobatch.wait_reasons import (CHEAPER, CONFIGURED, GRAMMAR_COMPILING, KV_BLOCKS, MAX_NUM_SEQS, PREEMPTING,
                                   SIBLING_PROMPT, STATIC_BATCH, SWAP_POOL_FULL, SWAPPED as SWAPPED_FIRST,
                                   TOKEN_BUDGET, TPOT_SLO, UNMEASURED, WATERMARK, PreemptionChoice,
                                   SequenceWaitStatus)
@@ -142,8 +142,8 @@ class Scheduler:
         return deltas
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
-                      stop_reason: int | str | None = None) -> RequestDelta | None:
-        """Finish a request wherever it is (abort, or a stop string found by the caller).
+                      stop_reason: int | str | None = None, error: str | None = None) -> RequestDelta | None:
+        """Finish a request wherever it is (abort, a stop string found by the caller, a failed grammar).
 
         Its blocks are free at once: the next step can give them to someone else.
         """
@@ -154,7 +154,7 @@ class Scheduler:
             self._release(request)
             return None
         request.stop_reason = stop_reason
-        return self._finish(request, status, time.monotonic())
+        return self._finish(request, status, time.monotonic(), error=error)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -250,7 +250,8 @@ class Scheduler:
         step's budget, the request's max_tokens (the bonus token still fits) and max_model_len."""
         params = request.sampling_params
         if (self.proposer is None or plan.slo is not None or not params.is_greedy or params.has_penalties
-                or request.num_output_tokens < params.min_tokens):
+                or request.num_output_tokens < params.min_tokens
+                or request.grammar is not None):  # a draft's mask would need the grammar run ahead
             return ()
         room = min(plan.budget - 1, request.max_tokens - request.num_output_tokens - 1,
                    self.config.max_model_len - request.num_tokens)
@@ -378,6 +379,10 @@ class Scheduler:
                     and not request.waits_for.is_finished:
                 skipped.append(request)  # its sibling's prompt blocks will be shared next step
                 self.waits.hold(request.request_id, request.wait, SIBLING_PROMPT)
+                continue
+            if request.grammar is not None and not request.grammar.is_ready:
+                skipped.append(request)  # compiling off the engine thread: the others go ahead
+                self.waits.hold(request.request_id, request.wait, GRAMMAR_COMPILING)
                 continue
             reason = self._admit(plan, request)
             if reason is not None:

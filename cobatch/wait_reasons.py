@@ -24,9 +24,10 @@ SIBLING_PROMPT = "sibling_prompt"  # n > 1: waits for a sibling's prompt, whose 
 SWAPPED = "swapped"  # swapped-out sequences go back in before anyone is admitted
 PREEMPTING = "preempting"  # this step had to preempt: it admits nobody and swaps nobody in
 PREEMPTED = "preempted"  # lost its row this step: preempted (recompute or swap)
+GRAMMAR_COMPILING = "grammar_compiling"  # structured outputs: its grammar is compiling (off the engine thread)
 
 WAIT_REASONS = (KV_BLOCKS, WATERMARK, MAX_NUM_SEQS, TOKEN_BUDGET, TPOT_SLO, STATIC_BATCH,
-                SIBLING_PROMPT, SWAPPED, PREEMPTING, PREEMPTED)
+                SIBLING_PROMPT, SWAPPED, PREEMPTING, PREEMPTED, GRAMMAR_COMPILING)
 REASON_INDEX = {reason: i for i, reason in enumerate(WAIT_REASONS)}
 
 # PreemptionChoice.why

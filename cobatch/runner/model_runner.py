@@ -27,6 +27,7 @@ from cobatch.runner.layer_loop import native_layer_loop
 from cobatch.runner.prompt_logprobs import prompt_logprobs as compute_prompt_logprobs
 from cobatch.runner.sampler import Sampler
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
+from cobatch.structured_output.bitmask import GrammarBitmask
 
 _GIB = 1 << 30
 _DEFAULT_KV_CACHE_GIB = 2.0  # 93k bf16 tokens of SmolLM2: 64 sequences of ~1.4k tokens
@@ -112,8 +113,9 @@ class ModelRunner:
         return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Swap out, swap in, one forward over `out.rows`, sample the rows with needs_sample."""
+    def execute(self, out: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> RunnerOutput:
+        """Swap out, swap in, one forward over `out.rows`, sample the rows with needs_sample (their
+        logits masked first by `grammar_bitmask`, the constrained rows' structured outputs)."""
         copies = {"num_copied_blocks": len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
                   "copy_s": self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)}
         self.last_timings = {"prepare_s": 0.0, "forward_s": 0.0, "lm_head_s": 0.0, "sample_s": 0.0}
@@ -129,6 +131,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         with scope("lm_head", self._profiling):
             logits = self.model.compute_logits(hidden[:num_sampled])  # [R, V] model dtype
+        if grammar_bitmask is not None:
+            grammar_bitmask.apply(logits)  # one batched op over every constrained row
         t3 = time.perf_counter()
         sampled_rows = [row for row in out.rows for _ in range(row.num_samples)]  # [R]: logits' rows
         result = self.sampler(logits, sampled_rows, self.eos_token_ids) if sampled_rows else None

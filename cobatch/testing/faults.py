@@ -111,8 +111,8 @@ class FaultInjectingRunner:
         """Queue a fault for the next step (any thread)."""
         self.injector.inject(kind, seconds, num_steps)
 
-    def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        """Apply the faults due at this step, then run it."""
+    def execute(self, output: SchedulerOutput, **kwargs: object) -> RunnerOutput:
+        """Apply the faults due at this step, then run it (kwargs: the runner's, e.g. grammar_bitmask)."""
         if self.injector.has_pending:
             self._take_faults()
         if self._no_progress_until:
@@ -121,7 +121,7 @@ class FaultInjectingRunner:
             raise EngineDeathInjected("injected fault: the engine loop dies")
         if self._step_faults:
             self._apply_step_fault()
-        return self.runner.execute(output)
+        return self.runner.execute(output, **kwargs)  # type: ignore[call-arg]
 
     def _take_faults(self) -> None:
         for fault in self.injector.take():
