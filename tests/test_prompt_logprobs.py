@@ -123,3 +123,34 @@ def test_llm_generate_returns_prompt_logprobs(hf_llama, tiny_model_dir) -> None:
     outputs = llm.generate([{"prompt_token_ids": prompt}] * 2, [asking, plain], use_tqdm=False)
     assert outputs[0].prompt_logprobs is not None and outputs[1].prompt_logprobs is None
     assert_matches_hf(tuple(outputs[0].prompt_logprobs), prompt, hf_prompt_logprobs(hf_llama, prompt), 1)
+
+
+def test_kept_prompt_positions_get_their_own_last_layer_tiles(hf_llama) -> None:
+    """The C layer loop attends in its last layer only for the kept tokens, one tile each (row, index
+    in the kept list, 1 token, context = position + 1): the prompt positions follow the samples."""
+    from dataclasses import replace
+
+    from cobatch.runner.model_runner import prepare_batch
+    from tests.runner_helpers import BlockAllocator
+
+    runner = runner_for(hf_llama)
+    assert runner.attention_kernel is not None, "the native attention kernel builds on this CPU"
+    alloc = BlockAllocator(4)
+    decode = alloc.seq("d", list(range(5, 14)), 32)
+    decode.num_computed_tokens = 8
+    chunk = alloc.seq("c", list(range(20, 41)), 32)
+    chunk.num_computed_tokens = 4
+    fresh = alloc.seq("f", list(range(50, 57)), 32)
+    rows = [replace(chunk.row(9), prompt_logprobs_from=6), decode.row(), replace(fresh.row(), prompt_logprobs_from=0)]
+    batch = prepare_batch(rows, 4, torch.device("cpu"), runner.attention_kernel, runner.scratch_slot)
+    kept_positions = [8, 6, *range(6, 13), *range(0, 6)]  # the samples (d, f), then the positions c and f score
+    assert batch.num_prompt_positions == 7 + 6
+    assert batch.positions[batch.sample_indices].tolist() == kept_positions
+    tiles = batch.sample_tiles
+    ordered = {1: 0, 0: 1, 2: 2}  # the one-token row first (stable), then the chunks
+    rows_of_kept = [1, 2] + [0] * 7 + [2] * 6
+    assert tiles[:, 0].tolist() == [ordered[r] for r in rows_of_kept]
+    assert tiles[:, 1].tolist() == list(range(len(kept_positions))) and tiles[:, 2].tolist() == [1] * len(kept_positions)
+    assert tiles[:, 3].tolist() == [p + 1 for p in kept_positions]
+    assert batch.input_ids[batch.sample_indices].tolist() == [rows[r].token_ids[p]
+                                                              for r, p in zip(rows_of_kept, kept_positions)]
