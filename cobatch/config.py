@@ -17,6 +17,7 @@ Batching = Literal["continuous", "static"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["q8_0", "q4_0"]
 
 _T = TypeVar("_T")
 Check = Callable[[str, object], None]  # raises ValueError for a bad value of the named field
@@ -30,6 +31,11 @@ def _positive(name: str, value: object) -> None:
 def _non_negative(name: str, value: object) -> None:
     if value < 0:  # type: ignore[operator]
         raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _quantization(name: str, value: object) -> None:
+    if value is not None and value not in typing.get_args(Quantization):
+        raise ValueError(f"{name} must be one of {typing.get_args(Quantization)} or None, got {value!r}")
 
 
 def _option(default: _T, help: str, check: Check | None = None) -> _T:
@@ -130,6 +136,9 @@ class EngineConfig(SchedulingOptions):
     dtype: DType = _option("auto", "weights and activations (auto: bf16 on CUDA or a CPU with native "
                            "bf16 matmuls, else float32)")
     device: str = _option("auto", "torch device (auto: cuda when available, else cpu)")
+    quantization: Quantization | None = _option(None, "quantize the dense projections and embeddings to "
+                                                "this GGUF block format at load (CPU; a GGUF's Q8_0, Q4_0 "
+                                                "and Q4_K weights stay quantized without it)", _quantization)
     num_kv_blocks: int | None = _option(None, "KV-cache blocks (default: from --kv-cache-memory-gb)",
                                         _positive)
     kv_cache_memory_gb: float | None = _option(None, "GiB for the KV cache (default: min(2, 30% of the "

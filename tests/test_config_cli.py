@@ -21,7 +21,7 @@ NON_DEFAULT: dict[str, object] = {
     "block_size": 32, "max_num_seqs": 7, "enable_chunked_prefill": False, "enable_prefix_caching": False,
     "batching": "static", "scheduling_policy": "priority", "preemption_mode": "swap", "tpot_slo_ms": 55.5,
     "num_speculative_tokens": 3, "ngram_prompt_lookup_min": 3, "ngram_prompt_lookup_max": 5,
-    "model": "some/model.gguf", "dtype": "bfloat16", "device": "cpu", "num_kv_blocks": 123,
+    "model": "some/model.gguf", "dtype": "bfloat16", "device": "cpu", "quantization": "q8_0", "num_kv_blocks": 123,
     "kv_cache_memory_gb": 1.5, "swap_space": 0.25, "max_num_batched_tokens": 4096, "max_model_len": 1024,
     "seed": 9, "num_threads": 2,
 }

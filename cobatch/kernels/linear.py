@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from cobatch.kernels.bindings import load_kernels
+from cobatch.kernels.quant_linear import is_quantized, quantized_linear, quantized_rows
 
 PANEL = 16  # output columns per packed panel (one AVX-512 vector of fp32 results)
 BLOCK_PANELS = 3  # panels side by side in a packed block: the kernel's tile width (NZ in gemm_bf16.c)
@@ -179,7 +180,9 @@ def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for a [N, K] weight; the native kernel for a packed one."""
+    """F.linear(x, weight, bias) for a [N, K] weight; the native kernel for a packed or quantized one."""
+    if is_quantized(weight):
+        return quantized_linear(x, weight, bias)
     if is_packed(weight):
         kernel = native_gemm()
         assert kernel is not None, "packed weights exist only where the kernel does"
@@ -194,8 +197,11 @@ def silu_mul_linear(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return kernel(x, gate_up)
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.embedding(ids, weight) for a [V, H] table or a packed one: rows [*ids.shape, H]."""
+def embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """F.embedding(ids, weight) for a [V, H] table or a packed one: rows [*ids.shape, H]; a quantized
+    table's rows are dequantized into `dtype` (the model's)."""
+    if is_quantized(weight):
+        return quantized_rows(ids, weight, dtype)
     if not is_packed(weight):
         return F.embedding(ids, weight)
     kernel = native_gemm()

@@ -167,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         the final norm instead of the Python loop; it uses keep_tiles (one attention tile per kept row) to
         skip the other rows' work in the last layer past its K/V write; same values."""
         with scope("embed+rope_tables", profile):
-            x = embedding(input_ids, self.embed_tokens)  # [T, H]
+            x = embedding(input_ids, self.embed_tokens, self.norm.dtype)  # [T, H]
         if layer_loop is not None:
             return layer_loop(x, positions, meta, kv_caches, keep, keep_tiles)  # final norm included
         residual: torch.Tensor | None = None

@@ -1,7 +1,11 @@
-"""Load a Llama-family model from a Hugging Face folder (safetensors) or a GGUF file (dequantized).
+"""Load a Llama-family model from a Hugging Face folder (safetensors) or a GGUF file.
 
 Both sources are first turned into HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), then
-`build_model` fuses them into the decoder's layout (QKV and gate/up concatenated).
+`build_model` fuses them into the decoder's layout (QKV and gate/up concatenated). A GGUF tensor in a
+format the quantized kernel serves (Q8_0, Q4_0, Q4_K: kernels/quant_linear.py) stays as its blocks, a
+uint8 [N, K / block, block_bytes] tensor, and the model keeps it packed, never dense; other types are
+dequantized with `gguf`. `quantization` ("q8_0" | "q4_0") quantizes the dense projections and embeddings
+at load (models/quantization.py).
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from cobatch.kernels.hugepages import move_to_huge_pages
+from cobatch.kernels.quant_linear import FORMATS, QuantFormat, can_pack_blocks, is_quantized, pack_blocks
 from cobatch.models.llama import LlamaForCausalLM
+from cobatch.models import quantization as quant
 from cobatch.models.model_config import ModelConfig, RopeScaling
 from cobatch.model_paths import is_gguf, resolve_model_path
 
@@ -32,15 +39,16 @@ _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 _GGUF_PERMUTED_ARCHS = ("llama", "mistral")
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Load the model at `path` (HF folder or .gguf file) in `dtype` on `device`."""
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Load the model at `path` (HF folder or .gguf file) in `dtype` on `device`; `quantization` ("q8_0",
+    "q4_0") quantizes its dense projections and embeddings."""
     path = Path(path)
     if is_gguf(path):
         config, tensors = _load_gguf(path, dtype)
     else:
         config, tensors = load_model_config(path), _load_hf_tensors(path)
-    model = build_model(config, tensors, dtype, device)
+    model = build_model(config, tensors, dtype, device, quantization)
     del tensors
     release_freed_heap()
     return model, config
@@ -82,30 +90,73 @@ def _check_hf_supported(cfg: Mapping[str, object]) -> None:
 # ---------------------------------------------------------------------------------------------- building
 
 def build_model(config: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    """Fill a fresh decoder from HF-named tensors, fusing QKV and gate/up."""
+                device: torch.device | str = "cpu", quantization: str | None = None) -> LlamaForCausalLM:
+    """Fill a fresh decoder from HF-named tensors, fusing QKV and gate/up; weights given as GGUF blocks
+    stay quantized, and `quantization` quantizes the dense ones (projections, embeddings)."""
     model = LlamaForCausalLM(config, dtype, device)
     get = _Getter(tensors)
+    weight = _WeightFiller(quantization if str(device) == "cpu" else None)
     with torch.no_grad():
-        _fill(model.embed_tokens, get("model.embed_tokens.weight"))
+        weight(model.embed_tokens, [get("model.embed_tokens.weight")])
         _fill(model.norm, get("model.norm.weight"))
         if not config.tie_word_embeddings:
-            _fill(model.lm_head, get("lm_head.weight"))
+            weight(model.lm_head, [get("lm_head.weight")])
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
             attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
             _fill(layer.input_norm, get(p + "input_layernorm.weight"))
             _fill(layer.post_attention_norm, get(p + "post_attention_layernorm.weight"))
-            _fill(layer.qkv_proj, torch.cat([get(n + ".weight") for n in attn]))
+            weight(layer.qkv_proj, [get(n + ".weight") for n in attn])
             if layer.qkv_bias is not None:
                 _fill(layer.qkv_bias, torch.cat([get(n + ".bias") for n in attn]))
-            _fill(layer.o_proj, get(p + "self_attn.o_proj.weight"))
+            weight(layer.o_proj, [get(p + "self_attn.o_proj.weight")])
             if layer.o_bias is not None:
                 _fill(layer.o_bias, get(p + "self_attn.o_proj.bias"))
-            _fill(layer.gate_up_proj, torch.cat([get(p + "mlp.gate_proj.weight"),
-                                                 get(p + "mlp.up_proj.weight")]))
-            _fill(layer.down_proj, get(p + "mlp.down_proj.weight"))
+            weight(layer.gate_up_proj, [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            weight(layer.down_proj, [get(p + "mlp.down_proj.weight")])
+    if any(is_quantized(p) for p in model.parameters()):
+        move_to_huge_pages(list(model.parameters()))  # streamed every decode step (kernels/hugepages.py)
     return model.eval()
+
+
+class _WeightFiller:
+    """Sets a projection or embedding from its parts (rows concatenated): kept quantized when every part
+    is GGUF blocks of one format (or `quantization` names one), dense otherwise (the model's dtype)."""
+
+    def __init__(self, quantization: str | None) -> None:
+        if quantization is not None and quantization not in FORMATS:
+            raise ValueError(f"unsupported quantization {quantization!r}; supported: {sorted(FORMATS)}")
+        self.quantization = quantization
+
+    def __call__(self, param: torch.nn.Parameter, parts: list[torch.Tensor]) -> None:
+        formats = {_block_format(t) for t in parts}
+        rows, in_features = param.shape
+        fmt = formats.pop() if len(formats) == 1 else None
+        if fmt is not None and can_pack_blocks(rows, in_features, fmt):
+            blocks = torch.cat(parts)
+            if blocks.shape[0] != rows or blocks.shape[1] * fmt.block_size != in_features:
+                raise ValueError(f"weight shape {tuple(blocks.shape)} ({fmt.name} blocks) does not match the "
+                                 f"model's {tuple(param.shape)}")
+            param.data = pack_blocks(blocks)
+            return
+        dense = torch.cat([_dense(t) for t in parts])
+        target = FORMATS.get(self.quantization or "")
+        if target is not None and can_pack_blocks(rows, in_features, target) and dense.shape == param.shape:
+            param.data = pack_blocks(quant.quantize(dense, target.name))
+            return
+        _fill(param, dense)
+
+
+def _block_format(tensor: torch.Tensor) -> QuantFormat | None:
+    """The format of a tensor of GGUF blocks [N, K / block, block_bytes] (_load_gguf), else None."""
+    if tensor.dtype != torch.uint8 or tensor.dim() != 3:
+        return None
+    return next((f for f in FORMATS.values() if f.block_bytes == tensor.shape[-1]), None)
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    fmt = _block_format(tensor)
+    return tensor if fmt is None else quant.dequantize(tensor, fmt.name)
 
 
 class _Getter:
@@ -156,19 +207,40 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
     reader = gguf.GGUFReader(path)
     config = _gguf_config(reader, path)
     tensors: dict[str, torch.Tensor] = {}
+    keep_blocks = _mostly_served(reader.tensors)
     for t in reader.tensors:
         name = _gguf_to_hf_name(t.name)
         if name is None:
             continue
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
-        if not array.flags.writeable:  # memory-mapped F32 tensors: torch wants a writable buffer
-            array = np.array(array)
-        weight = torch.from_numpy(array).to(dtype)  # per tensor, so fp32 copies never pile up
+        weight = _gguf_tensor(t, dtype, keep_blocks)
         if config.architecture in _GGUF_PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             weight = reverse_rope_permute(weight, heads)
         tensors[name] = weight
     return config, tensors
+
+
+def _mostly_served(tensors: list) -> bool:
+    """Whether most of a file's matrix bytes are in formats the quantized kernel serves. A file mostly in
+    other types (the shipped Q4_1 model, whose embedding alone is Q8_0) is served dense, as before: one
+    table kept quantized would change the numerics of a model that runs dense anyway."""
+    matrices = [t for t in tensors if len(t.shape) == 2]
+    served = sum(int(t.n_bytes) for t in matrices if quant.format_of(t.tensor_type) is not None)
+    return served * 2 > sum(int(t.n_bytes) for t in matrices)
+
+
+def _gguf_tensor(t: object, dtype: torch.dtype, keep_blocks: bool) -> torch.Tensor:
+    """A GGUF tensor as GGUF blocks [N, K / block, block_bytes] (uint8, copied out of the file's mapping)
+    where keep_blocks and the quantized kernel serves its type, else dequantized into `dtype`."""
+    import gguf
+
+    fmt = quant.format_of(t.tensor_type) if keep_blocks else None  # type: ignore[attr-defined]
+    if fmt is not None and t.data.ndim == 2:  # type: ignore[attr-defined]
+        return torch.from_numpy(np.array(t.data)).view(t.data.shape[0], -1, fmt.block_bytes)  # type: ignore
+    array = gguf.quants.dequantize(t.data, t.tensor_type)  # type: ignore[attr-defined]
+    if not array.flags.writeable:  # memory-mapped F32 tensors: torch wants a writable buffer
+        array = np.array(array)
+    return torch.from_numpy(array).to(dtype)  # per tensor, so fp32 copies never pile up
 
 
 def _gguf_to_hf_name(name: str) -> str | None:

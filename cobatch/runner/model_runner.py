@@ -42,7 +42,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, *, num_kv_blocks: int,
                  block_size: int, num_swap_blocks: int = 0, max_model_len: int | None = None,
                  seed: int = 0, native_attention: bool = True) -> None:
-        param = next(model.parameters())
+        param = model.norm  # the model's dtype (a quantized embedding table is uint8 blocks)
         if param.dtype == torch.bfloat16 and param.device.type == "cpu" and model.pack_linear_weights():
             release_freed_heap()  # the unpacked copies (the native GEMM's layout: kernels/linear.py)
         self.model, self.model_config = model, model_config
@@ -77,7 +77,7 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         device = pick_device(config.device)
         dtype = pick_dtype(config.dtype, device)
-        model, model_config = load_model(resolve_model_path(config.model), dtype, device)
+        model, model_config = load_model(resolve_model_path(config.model), dtype, device, config.quantization)
         bytes_per_block = kv_bytes_per_token(model_config, dtype) * config.block_size
         num_kv_blocks = config.num_kv_blocks or max(1, int(_kv_cache_bytes(config, device) // bytes_per_block))
         num_swap_blocks = int(config.swap_space * _GIB // bytes_per_block)

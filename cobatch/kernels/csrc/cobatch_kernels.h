@@ -130,6 +130,22 @@ typedef struct {
 int decoder_forward(const Shape *s, const Layer *layers, int num_layers, const void *final_norm, const Step *st,
                     const Buffers *b, int threads);
 
+/* ------------------------------------------- gemm_quant.c: GEMM on GGUF-quantized weights (Q8_0, Q4_*) */
+
+/* qtype of the quantized entry points; the packed layouts are gemm_quant.c's (kernels/quant_linear.py). */
+enum { QUANT_Q8_0 = 0, QUANT_Q4_0 = 1, QUANT_Q4_K = 2 };
+
+/* 1 when built with AVX-512 VNNI (else the same arithmetic in plain C). */
+int gemm_quant_is_vnni(void);
+/* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL), W packed from GGUF blocks; x, bias, y fp32 or bf16. */
+int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
+               int64_t K, int is_bf16, int num_threads);
+/* GGUF blocks [N, K / block, block bytes] -> the packed layout, out of the same size. */
+int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, int num_threads);
+/* Rows ids [n] of the packed [N, K] weight, dequantized into out [n, K] (an embedding lookup). */
+int quant_rows(const void *wq, int qtype, const int64_t *ids, int64_t n, int64_t N, int64_t K, void *out,
+               int is_bf16);
+
 /* ------------------------------------------------------ layout.c: the structs' layout, for the test */
 
 /* One struct (field NULL: then size is sizeof the struct) or one of its fields (offset, size). */

@@ -1,0 +1,414 @@
+/* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 4.5 or 8.5 bits
+ * per weight (Q8_0, Q4_0, Q4_K), x fp32 or bf16, fp32 accumulation.
+ *
+ * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
+ * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q4_0 and
+ * Q4_K 0.56. Dequantizing at load would give that back.
+ *
+ * Activations: each row of x is quantized on the fly, per block of 32, to int8 (scale dx = max|x| / 127,
+ * q = round-to-nearest-even(x / dx)), and the sum of each block's q kept (llama.cpp's Q8_0/Q8_1
+ * activations). A weight block's dot with it is then one integer sum, taken 4 products at a time by
+ * AVX-512 VNNI's vpdpbusd (u8 x s8): the weight side is the unsigned operand, as a code c = w / a + o in
+ * 0..255 with a per-block offset o, so sum(w x) = dx * a * (sum(c q) - o sum(q)):
+ *     Q8_0: c = w + 128 (its int8 with the sign bit flipped, done once at packing), a = d, o = 128;
+ *     Q4_0: c = the 4-bit code 0..15, a = d, o = 8;
+ *     Q4_K: c = the 4-bit code, per 32-weight sub-block a = d * scale, and w = a c - dmin * min, so
+ *           sum(w x) = dx * (a sum(c q) - dmin * min * sum(q)).
+ *
+ * Layout (kernels/quant_linear.py packs it once at load from GGUF's blocks; the same bytes, reordered): the
+ * weight is cut into panels of 16 output rows, and each panel into its blocks along K (32 weights, Q4_K:
+ * 256), one after another; in a panel block each row's bytes of a kind sit side by side, so a 64-byte line
+ * holds one group of 4 K of all 16 rows: the vpdpbusd operand whose 16 lanes are the panel's 16 outputs
+ * (no horizontal sums, as gemm_bf16.c). With l a row of the panel (0..15):
+ *     Q8_0 (544 bytes): d[16] fp16 | codes[8][16][4]: codes[g][l][t] = w[l][4 g + t] + 128
+ *     Q4_0 (288 bytes): d[16] fp16 | qs[4][16][4]: GGUF's qs bytes 4 g .. 4 g + 3 of row l (low nibbles: K
+ *                       4 g + t, high: 16 + 4 g + t)
+ *     Q4_K (2304 bytes): d[16] | dmin[16] fp16 | scales[3][16][4]: GGUF's 12 scale bytes of row l, 4 at a
+ *                       time | qs[4][8][16][4]: GGUF's qs bytes 32 c + 4 g .. + 3 (low nibbles: K 64 c +
+ *                       4 g + t, sub-block 2 c; high: 64 c + 32 + 4 g + t, sub-block 2 c + 1)
+ * In every format, 32-block j's codes are 8 vectors of 16 lanes x 4 K, vector g holding K 32 j + 4 g ..:
+ * the loop below is one for all three; only how a vector is fetched and a block's (a, o) differ.
+ *
+ * Work split: tasks are (group of NZ panels, chunk of MC rows); each OpenMP thread takes one contiguous
+ * run of them (at decode sizes: its part of the weight, streamed in order). A micro-tile of MR rows x NZ
+ * panels keeps 2 MR NZ vectors (the block's integer sums and the fp32 results) in registers.
+ *
+ * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
+ * row's result does not depend on M, the tiling or the thread count. Quantizing x costs what it costs
+ * llama.cpp (about 0.4% of each block's largest value). Without AVX-512 VNNI (or with -DQUANT_SCALAR) the
+ * same arithmetic runs as plain C on the same layout.
+ */
+#include "cobatch_kernels.h"
+
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(QUANT_SCALAR)
+#define QUANT_VNNI 1
+#include <immintrin.h>
+#else
+#define QUANT_VNNI 0
+#endif
+
+#define QB 32   /* weights per activation block (and per Q8_0 / Q4_0 block, per Q4_K sub-block) */
+#define NR 16   /* output rows per panel */
+#ifndef MR
+#define MR 4    /* input rows per micro-tile */
+#endif
+#ifndef NZ
+#define NZ 2    /* panels per micro-tile */
+#endif
+#ifndef MC
+#define MC 128  /* input rows per task */
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* Bytes of one panel block and weights per format block. */
+static const int64_t PANEL_BYTES[3] = {NR * 34, NR * 18, NR * 144};
+static const int64_t BLOCK_K[3] = {32, 32, 256};
+
+/* x quantized: codes [M, K] int8, per 32-block scale [M, K / 32] and sum of codes [M, K / 32]. */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *s;
+    int64_t K;
+} QuantRows;
+
+static float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);
+    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else {
+        float f = (float)man * (1.0f / 16777216.0f); /* subnormal: man * 2^-24 */
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* ------------------------------------------------------------------------ activation quantization */
+
+static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) {
+    const int64_t K = r->K;
+    float v[QB];
+    for (int64_t j = 0; j < K / QB; j++) {
+        float amax = 0.0f;
+        for (int t = 0; t < QB; t++) {
+            int64_t i = row * K + j * QB + t;
+            v[t] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+            amax = fmaxf(amax, fabsf(v[t]));
+        }
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int t = 0; t < QB; t++) {
+            float c = fminf(fmaxf(nearbyintf(v[t] * id), -127.0f), 127.0f);
+            r->q[row * K + j * QB + t] = (int8_t)c;
+            sum += (int32_t)c;
+        }
+        r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = sum;
+    }
+}
+
+/* ----------------------------------------------------------------------------- per-block scales */
+
+/* Q4_K: sub-block j's 6-bit scale and min from a row's 12 scale bytes (GGUF's get_scale_min_k4). */
+static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63, *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* The weight w = a c - b of 32-block j (of the panel block at blk) for row lane: (a, b). */
+static void block_ab(int qtype, const uint8_t *blk, int lane, int j, float *a, float *b) {
+    if (qtype == QUANT_Q4_K) {
+        uint8_t q[12];
+        for (int i = 0; i < 3; i++) memcpy(q + 4 * i, blk + 64 + 64 * i + 4 * lane, 4);
+        int sc, mn;
+        k4_scale_min(q, j % 8, &sc, &mn);
+        *a = f16_to_f32(load_u16(blk + 2 * lane)) * (float)sc;
+        *b = f16_to_f32(load_u16(blk + 32 + 2 * lane)) * (float)mn;
+        return;
+    }
+    *a = f16_to_f32(load_u16(blk + 2 * lane));
+    *b = *a * (qtype == QUANT_Q8_0 ? 128.0f : 8.0f);
+}
+
+/* Code (0..255) of K index k (0..31) of 32-block j, row lane, in the panel block at blk. */
+static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k) {
+    const int g = k / 4, t = k % 4;
+    if (qtype == QUANT_Q8_0) return blk[32 + 64 * g + 4 * lane + t];
+    if (qtype == QUANT_Q4_0) return (blk[32 + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf;
+    const int c = (j % 8) / 2;
+    return (blk[256 + 512 * c + 64 * g + 4 * lane + t] >> (j % 2 ? 4 : 0)) & 0xf;
+}
+
+static inline const uint8_t *panel_block(int qtype, const uint8_t *w, int64_t K, int64_t panel, int64_t j) {
+    const int64_t blocks = K / BLOCK_K[qtype];
+    return w + (panel * blocks + j * QB / BLOCK_K[qtype]) * PANEL_BYTES[qtype];
+}
+
+/* --------------------------------------------------------------------------------- the scalar path */
+
+#if !QUANT_VNNI
+/* y rows m0 .. m0 + rows, columns of panels p0 .. p0 + nz, fp32 into out (ldo floats apart). */
+static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
+                      int64_t p0, int nz, float *out, int64_t ldo) {
+    for (int64_t m = 0; m < rows; m++)
+        for (int z = 0; z < nz; z++)
+            for (int lane = 0; lane < NR; lane++) {
+                float acc = 0.0f;
+                for (int64_t j = 0; j < K / QB; j++) {
+                    const uint8_t *blk = panel_block(qtype, w, K, p0 + z, j);
+                    const int8_t *xq = x->q + (m0 + m) * K + j * QB;
+                    int32_t sum = 0;
+                    for (int k = 0; k < QB; k++) sum += code_at(qtype, blk, lane, (int)j, k) * xq[k];
+                    float a, b;
+                    block_ab(qtype, blk, lane, (int)j, &a, &b);
+                    const int64_t xb = (m0 + m) * (K / QB) + j;
+                    acc += x->d[xb] * (a * (float)sum - b * (float)x->s[xb]);
+                }
+                out[m * ldo + z * NR + lane] = acc;
+            }
+}
+#else
+/* ---------------------------------------------------------------------------- the AVX-512 VNNI path */
+
+/* Codes vector g (K 32 j + 4 g ..) of 32-block j in the panel block at blk. */
+INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    if (qtype == QUANT_Q8_0) return _mm512_loadu_si512(blk + 32 + 64 * g);
+    if (qtype == QUANT_Q4_0) {
+        __m512i v = _mm512_loadu_si512(blk + 32 + 64 * (g % 4));
+        return _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low);
+    }
+    __m512i v = _mm512_loadu_si512(blk + 256 + 512 * ((j % 8) / 2) + 64 * g);
+    return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+}
+
+/* Q4_K: sub-block j's a = d * scale and b = dmin * min, per lane. */
+INLINE void k4_ab(const uint8_t *blk, int j, __m512 *a, __m512 *b) {
+    const __m512i d0 = _mm512_loadu_si512(blk + 64), d1 = _mm512_loadu_si512(blk + 128);
+    const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(3);
+    __m512i sc, mn;
+    if (j < 4) {
+        const __m128i sh = _mm_cvtsi32_si128(8 * j);
+        sc = _mm512_and_si512(_mm512_srl_epi32(d0, sh), m6);
+        mn = _mm512_and_si512(_mm512_srl_epi32(d1, sh), m6);
+    } else {
+        const __m512i d2 = _mm512_loadu_si512(blk + 192);
+        const int i = j - 4;
+        const __m128i lo = _mm_cvtsi32_si128(8 * i), hi4 = _mm_cvtsi32_si128(8 * i + 4),
+                      top = _mm_cvtsi32_si128(8 * i + 6);
+        sc = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(d2, lo), m4),
+                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(d0, top), m2), 4));
+        mn = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(d2, hi4), m4),
+                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(d1, top), m2), 4));
+    }
+    *a = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)), _mm512_cvtepi32_ps(sc));
+    *b = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))), _mm512_cvtepi32_ps(mn));
+}
+
+INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz. */
+INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
+                 int nz, float *out, int64_t ldo) {
+    __m512 acc[MR * NZ];
+    for (int i = 0; i < MR * NZ; i++) acc[i] = _mm512_setzero_ps();
+    const int64_t nb = K / QB;
+    const float off = qtype == QUANT_Q8_0 ? 128.0f : 8.0f;
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *blk[NZ];
+        __m512i sum[MR * NZ];
+#pragma GCC unroll 4
+        for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j);
+#pragma GCC unroll 8
+        for (int m = 0; m < mr; m++) {
+            /* Q8_0 / Q4_0 start at -o sum(q), so the integer sum is sum(w q) / d already */
+            const int32_t start = qtype == QUANT_Q4_K ? 0 : -(int32_t)off * x->s[(m0 + m) * nb + j];
+#pragma GCC unroll 4
+            for (int z = 0; z < nz; z++) sum[m * NZ + z] = _mm512_set1_epi32(start);
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            __m512i c[NZ];
+#pragma GCC unroll 4
+            for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], (int)(j % 8), g);
+#pragma GCC unroll 8
+            for (int m = 0; m < mr; m++) {
+                const __m512i xq = _mm512_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
+#pragma GCC unroll 4
+                for (int z = 0; z < nz; z++) sum[m * NZ + z] = _mm512_dpbusd_epi32(sum[m * NZ + z], c[z], xq);
+            }
+        }
+        __m512 a[NZ], b[NZ];
+#pragma GCC unroll 4
+        for (int z = 0; z < nz; z++) {
+            if (qtype == QUANT_Q4_K) k4_ab(blk[z], (int)(j % 8), &a[z], &b[z]);
+            else a[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z])), b[z] = a[z];
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < mr; m++) {
+            const int64_t xb = (m0 + m) * nb + j;
+            const __m512 dx = _mm512_set1_ps(x->d[xb]);
+#pragma GCC unroll 4
+            for (int z = 0; z < nz; z++) {
+                __m512 s = _mm512_cvtepi32_ps(sum[m * NZ + z]);
+                if (qtype == QUANT_Q4_K) {
+                    const __m512 dxs = _mm512_set1_ps(x->d[xb] * (float)x->s[xb]);
+                    acc[m * NZ + z] = _mm512_fmadd_ps(_mm512_mul_ps(s, dx), a[z], acc[m * NZ + z]);
+                    acc[m * NZ + z] = _mm512_fnmadd_ps(b[z], dxs, acc[m * NZ + z]);
+                } else {
+                    acc[m * NZ + z] = _mm512_fmadd_ps(s, _mm512_mul_ps(a[z], dx), acc[m * NZ + z]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + m * ldo + z * NR, acc[m * NZ + z]);
+}
+
+/* Each (format, mr, nz) its own unrolled copy: the tile sizes must be literals for the registers. */
+#define QCASE(R, Z) case (R) * 4 + (Z): tile(qtype, x, m0, R, w, K, p0, Z, out, ldo); break;
+#define QCASES(R) QCASE(R, 1) QCASE(R, 2)
+#define QTILE_FN(NAME, QT)                                                                                   \
+    static void NAME(const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0, int nz, \
+                     float *out, int64_t ldo) {                                                              \
+        const int qtype = QT;                                                                                \
+        switch (mr * 4 + nz) { QCASES(1) QCASES(2) QCASES(3) QCASES(4) default: break; }                     \
+    }
+QTILE_FN(tile_q8_0, QUANT_Q8_0)
+QTILE_FN(tile_q4_0, QUANT_Q4_0)
+QTILE_FN(tile_q4_k, QUANT_Q4_K)
+
+static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
+                      int64_t p0, int nz, float *out, int64_t ldo) {
+    for (int64_t m = 0; m < rows; m += MR) {
+        const int mr = (int)(rows - m < MR ? rows - m : MR);
+        if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo);
+        else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo);
+        else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo);
+    }
+}
+#endif
+
+/* ----------------------------------------------------------------------------------- entry points */
+
+int gemm_quant_is_vnni(void) { return QUANT_VNNI; }
+
+static int check_shape(int qtype, int64_t N, int64_t K) {
+    return qtype >= 0 && qtype <= 2 && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
+}
+
+/* A task's rows of y (rows ldy apart, from column col0, width wide) in y's dtype, from tmp's fp32 (bf16 y)
+ * or in place (fp32 y: tmp is y), bias added. */
+static void finish_rows(const float *tmp, int64_t rows, int64_t width, const void *bias, void *y, int64_t ldy,
+                        int64_t col0, int is_bf16) {
+    for (int64_t m = 0; m < rows; m++) {
+        float *row = is_bf16 ? (float *)tmp + m * width : (float *)y + m * ldy + col0;
+        if (bias != NULL)
+            for (int64_t c = 0; c < width; c++)
+                row[c] += is_bf16 ? bf16_to_f32(((const uint16_t *)bias)[col0 + c]) : ((const float *)bias)[col0 + c];
+        if (is_bf16)
+            for (int64_t c = 0; c < width; c++) ((uint16_t *)y)[m * ldy + col0 + c] = f32_to_bf16(row[c]);
+    }
+}
+
+/* x [M, K] (fp32, or bf16 with is_bf16), the packed weight (layout above), bias [N] (x's dtype) or NULL ->
+ * y [M, N] in x's dtype. Returns 0, -1 out of memory, -2 bad shape. */
+int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
+               int64_t K, int is_bf16, int num_threads) {
+    if (!check_shape(qtype, N, K) || M <= 0) return -2;
+    QuantRows r = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * K / QB)),
+                   malloc(sizeof(int32_t) * (size_t)(M * K / QB)), K};
+    if (r.q == NULL || r.d == NULL || r.s == NULL) {
+        free(r.q), free(r.d), free(r.s);
+        return -1;
+    }
+    const int64_t panels = N / NR, groups = (panels + NZ - 1) / NZ, chunks = (M + MC - 1) / MC;
+    const int64_t tasks = groups * chunks;
+    int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    if (threads > tasks) threads = (int)tasks;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_row(x, is_bf16, m, &r);
+        float tmp[MC * NZ * NR];
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t g = task / chunks, m0 = task % chunks * MC, rows = M - m0 < MC ? M - m0 : MC;
+            const int nz = (int)(panels - g * NZ < NZ ? panels - g * NZ : NZ);
+            void *y0 = (char *)y + (is_bf16 ? 2 : 4) * (size_t)(m0 * N);
+            float *out = is_bf16 ? tmp : (float *)y0 + g * NZ * NR;
+            tile_rows(qtype, &r, m0, rows, (const uint8_t *)wq, K, g * NZ, nz, out, is_bf16 ? nz * NR : N);
+            if (is_bf16 || bias != NULL) finish_rows(tmp, rows, nz * NR, bias, y0, N, g * NZ * NR, is_bf16);
+        }
+    }
+    free(r.q), free(r.d), free(r.s);
+    return 0;
+}
+
+/* One run of bytes of each row's GGUF block that the packed layout interleaves by lane, unit bytes at a
+ * time: src[from + u unit ..] of lane l goes to dst[to + (16 u + l) unit ..]. */
+typedef struct { int from, to, bytes, unit; } Piece;
+
+static const Piece PIECES[3][4] = {
+    {{0, 0, 2, 2}, {2, 32, 32, 4}},                                    /* Q8_0: d | codes */
+    {{0, 0, 2, 2}, {2, 32, 16, 4}},                                    /* Q4_0: d | qs */
+    {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
+};
+
+/* GGUF blocks [N, K / block, block bytes] -> the packed layout (above). Returns 0, or -2 on a bad shape. */
+int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, int num_threads) {
+    if (!check_shape(qtype, N, K)) return -2;
+    const int64_t nb = K / BLOCK_K[qtype], bb = PANEL_BYTES[qtype] / NR;
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : omp_get_max_threads()) schedule(static)
+    for (int64_t p = 0; p < N / NR; p++)
+        for (int64_t j = 0; j < nb; j++) {
+            uint8_t *dst = (uint8_t *)out + (p * nb + j) * PANEL_BYTES[qtype];
+            for (int l = 0; l < NR; l++) {
+                const uint8_t *src = (const uint8_t *)blocks + ((p * NR + l) * nb + j) * bb;
+                for (int i = 0; i < 4 && PIECES[qtype][i].bytes > 0; i++) {
+                    const Piece pc = PIECES[qtype][i];
+                    for (int u = 0; u < pc.bytes / pc.unit; u++)
+                        memcpy(dst + pc.to + (NR * u + l) * pc.unit, src + pc.from + u * pc.unit, (size_t)pc.unit);
+                }
+            }
+            if (qtype == QUANT_Q8_0) /* int8 -> code + 128: the kernel's unsigned operand */
+                for (int i = 32; i < PANEL_BYTES[qtype]; i++) dst[i] ^= 0x80;
+        }
+    return 0;
+}
+
+/* Rows ids[0..n) of the weight, dequantized into out [n, K] (fp32, or bf16 with is_bf16): an embedding
+ * lookup. Returns 0, or -2 on a bad shape or an id outside [0, N). */
+int quant_rows(const void *wq, int qtype, const int64_t *ids, int64_t n, int64_t N, int64_t K, void *out,
+               int is_bf16) {
+    if (!check_shape(qtype, N, K)) return -2;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -2;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t panel = ids[i] / NR;
+        const int lane = (int)(ids[i] % NR);
+        for (int64_t j = 0; j < K / QB; j++) {
+            const uint8_t *blk = panel_block(qtype, (const uint8_t *)wq, K, panel, j);
+            float a, b;
+            block_ab(qtype, blk, lane, (int)j, &a, &b);
+            for (int k = 0; k < QB; k++) {
+                const float v = a * (float)code_at(qtype, blk, lane, (int)j, k) - b;
+                const int64_t at = i * K + j * QB + k;
+                if (is_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
+                else ((float *)out)[at] = v;
+            }
+        }
+    }
+    return 0;
+}

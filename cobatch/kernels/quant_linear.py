@@ -1,0 +1,152 @@
+"""Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_K) kept quantized: csrc/gemm_quant.c.
+
+A weight arrives as GGUF's blocks, a uint8 tensor [N, K / block, block_bytes] (one row of blocks per
+output; `raw_blocks` views a GGUF tensor so). `pack_blocks` reorders those bytes once, at load, into
+the kernel's panels of 16 rows: the packed tensor [N / 16, K / block, 16 block_bytes] holds the same
+number of bytes (gemm_quant.c documents the layout; a Q8_0 code also has its sign bit flipped). Its last
+dimension names the format (544, 288, 2304 bytes), so a packed weight is a plain uint8 Parameter and
+needs no side record: `is_quantized`, `quant_type` and `quantized_shape` read it off the shape.
+
+`quantized_linear(x, packed, bias)` runs the kernel on fp32 or bf16 x; `quantized_rows` dequantizes rows
+(an embedding lookup; a tied lm_head reads the same table through the kernel). Weights stay quantized
+only where the library is built (the kernel's plain C twin serves CPUs without AVX-512 VNNI); with
+COBATCH_NO_NATIVE=1 or no compiler the loader dequantizes them, as it does every other GGUF type.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from cobatch.kernels.bindings import load_kernels
+
+PANEL_ROWS = 16  # output rows per packed panel (one AVX-512 vector of fp32 results)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantFormat:
+    """One GGUF block format: its name, the C side's qtype, weights and bytes per block."""
+
+    name: str
+    qtype: int
+    block_size: int
+    block_bytes: int
+
+    @property
+    def panel_bytes(self) -> int:
+        return PANEL_ROWS * self.block_bytes
+
+
+FORMATS = {f.name: f for f in (QuantFormat("q8_0", 0, 32, 34), QuantFormat("q4_0", 1, 32, 18),
+                               QuantFormat("q4_k", 2, 256, 144))}
+_BY_PANEL_BYTES = {f.panel_bytes: f for f in FORMATS.values()}
+
+
+def is_quantized(weight: torch.Tensor) -> bool:
+    """A weight packed by pack_blocks (quantized_linear reads it)."""
+    return weight.dtype == torch.uint8 and weight.dim() == 3 and weight.shape[-1] in _BY_PANEL_BYTES
+
+
+def quant_type(packed: torch.Tensor) -> QuantFormat:
+    """The format of a packed weight."""
+    return _BY_PANEL_BYTES[packed.shape[-1]]
+
+
+def quantized_shape(packed: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of the weight a packed tensor holds."""
+    return packed.shape[0] * PANEL_ROWS, packed.shape[1] * quant_type(packed).block_size
+
+
+def can_pack_blocks(out_features: int, in_features: int, fmt: QuantFormat) -> bool:
+    """Whether an [N, K] weight in `fmt` can take the packed layout (N a multiple of 16: every real shape)
+    and the kernel is here to read it."""
+    return (out_features % PANEL_ROWS == 0 and in_features % fmt.block_size == 0
+            and native_quant_gemm() is not None)
+
+
+def raw_blocks(data: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """A GGUF tensor's bytes [N, row_bytes] as its blocks [N, K / block, block_bytes]."""
+    return data.view(data.shape[0], -1, fmt.block_bytes)
+
+
+def pack_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks [N, nb, block_bytes] (N % 16 == 0) -> the kernel's panels [N / 16, nb, 16 block_bytes]."""
+    kernel = native_quant_gemm()
+    assert kernel is not None, "quantized weights are kept only where the kernel is (can_pack_blocks)"
+    return kernel.pack(blocks)
+
+
+class QuantGemm:
+    """The library's quantized entry points on torch tensors."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn, self._rows, self._pack = lib.gemm_quant, lib.quant_rows, lib.quant_pack
+
+    def pack(self, blocks: torch.Tensor) -> torch.Tensor:
+        """GGUF blocks [N, nb, block_bytes] -> packed [N / 16, nb, 16 block_bytes] (pack_blocks)."""
+        n, nb, block_bytes = blocks.shape
+        fmt = next((f for f in FORMATS.values() if f.block_bytes == block_bytes), None)
+        if blocks.dtype != torch.uint8 or fmt is None or not can_pack_blocks(n, nb * fmt.block_size, fmt):
+            raise ValueError(f"not packable GGUF blocks: {blocks.dtype} {tuple(blocks.shape)}")
+        blocks = blocks.contiguous()
+        out = torch.empty(n // PANEL_ROWS, nb, fmt.panel_bytes, dtype=torch.uint8)
+        status = self._pack(blocks.data_ptr(), fmt.qtype, n, nb * fmt.block_size, out.data_ptr(),
+                            torch.get_num_threads())
+        assert status == 0, f"quant_pack failed with status {status}"
+        return out
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., K] -> [..., N] in x's dtype (fp32 or bf16)."""
+        n, k = quantized_shape(packed)
+        _check_operands(x, bias, n, k)
+        x, bias = x.contiguous(), None if bias is None else bias.contiguous()  # kept alive across the call
+        out = x.new_empty(*x.shape[:-1], n)
+        if out.numel() > 0:
+            status = self._fn(x.data_ptr(), packed.data_ptr(), quant_type(packed).qtype,
+                              None if bias is None else bias.data_ptr(), out.data_ptr(), x.numel() // k, n, k,
+                              int(x.dtype == torch.bfloat16), torch.get_num_threads())
+            if status != 0:
+                raise (MemoryError if status == -1 else RuntimeError)(f"gemm_quant failed with status {status}")
+        return out
+
+    def rows(self, ids: torch.Tensor, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized: [*ids.shape, K] in dtype (fp32 or bf16)."""
+        n, k = quantized_shape(packed)
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), k, dtype=dtype)
+        if self._rows(packed.data_ptr(), quant_type(packed).qtype, flat.data_ptr(), flat.numel(), n, k,
+                      out.data_ptr(), int(dtype == torch.bfloat16)) != 0:
+            raise IndexError(f"token id out of range [0, {n})")
+        return out.view(*ids.shape, k)
+
+
+def _check_operands(x: torch.Tensor, bias: torch.Tensor | None, n: int, k: int) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[-1] != k or not x.is_cpu:
+        raise ValueError(f"quantized linear takes fp32 or bf16 CPU input [..., {k}], got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    if bias is not None and (bias.dtype != x.dtype or bias.shape != (n,)):
+        raise ValueError(f"quantized linear takes a bias [{n}] in the input's dtype")
+
+
+@lru_cache(maxsize=1)
+def native_quant_gemm() -> QuantGemm | None:
+    """The kernel (VNNI, or its plain C twin on other CPUs); None when native code is off or unbuilt."""
+    lib = load_kernels()
+    return None if lib is None else QuantGemm(lib)
+
+
+def quantized_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias for a packed quantized W."""
+    kernel = native_quant_gemm()
+    assert kernel is not None, "quantized weights exist only where the kernel does"
+    return kernel(x, packed, bias)
+
+
+def quantized_rows(ids: torch.Tensor, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """F.embedding(ids, W) for a packed quantized W: rows [*ids.shape, K] in dtype."""
+    kernel = native_quant_gemm()
+    assert kernel is not None, "quantized weights exist only where the kernel does"
+    return kernel.rows(ids, packed, dtype)

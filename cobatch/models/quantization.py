@@ -1,0 +1,75 @@
+"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_K), for `--quantization` and the test files.
+
+Q8_0 and Q4_0 use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
+`quantize_row_q8_0_ref` / `quantize_row_q4_0_ref`, so a folder quantized here holds the bytes
+llama-quantize's reference path writes. gguf-py has no Q4_K quantizer: `quantize_q4_k` is a plain one
+(each 32-weight sub-block's range mapped onto 0..15, its scale and min rounded to 6 bits of the super
+block's fp16 d and dmin), without llama.cpp's iterative search for the best scale, so its error is
+somewhat larger; the format and the bytes' meaning are GGUF's (gguf-py dequantizes them, tested).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+
+from cobatch.kernels.quant_linear import FORMATS, QuantFormat
+
+GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+              "q4_k": gguf.GGMLQuantizationType.Q4_K}
+
+
+def format_of(tensor_type: gguf.GGMLQuantizationType) -> QuantFormat | None:
+    """The kernel's format for a GGUF tensor type, None for types it does not serve."""
+    return next((FORMATS[name] for name, t in GGUF_TYPES.items() if t == tensor_type), None)
+
+
+def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
+    """A dense [N, K] weight -> its GGUF blocks [N, K / block, block_bytes] (uint8) in format `name`."""
+    fmt = FORMATS[name]
+    values = weight.detach().to(torch.float32).numpy()
+    data = quantize_q4_k(values) if name == "q4_k" else gguf.quants.quantize(values, GGUF_TYPES[name])
+    return torch.from_numpy(np.ascontiguousarray(data)).view(weight.shape[0], -1, fmt.block_bytes)
+
+
+def dequantize(blocks: torch.Tensor, name: str) -> torch.Tensor:
+    """GGUF blocks [N, nb, block_bytes] -> the dense [N, K] fp32 weight (gguf-py's dequantization)."""
+    data = blocks.reshape(blocks.shape[0], -1).numpy()
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, GGUF_TYPES[name])))
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """[N, K] fp32 (K % 256 == 0) -> Q4_K bytes [N, K / 256 * 144]."""
+    n, k = values.shape
+    sub = values.reshape(n, k // 256, 8, 32).astype(np.float32)
+    low = np.minimum(sub.min(axis=-1), 0.0)  # each sub-block's range, holding 0 (a min >= 0 is subtracted)
+    scale = (sub.max(axis=-1) - low) / 15.0
+    d = (scale.max(axis=-1) / 63.0).astype(np.float16)  # [n, sb]
+    dmin = ((-low).max(axis=-1) / 63.0).astype(np.float16)
+    sc = _ratio(scale, d).clip(0, 63).astype(np.uint8)  # [n, sb, 8]
+    mn = _ratio(-low, dmin).clip(0, 63).astype(np.uint8)
+    a = d.astype(np.float32)[..., None] * sc  # the weights as stored: a * code - b
+    b = dmin.astype(np.float32)[..., None] * mn
+    codes = _ratio(sub + b[..., None], a[..., None]).clip(0, 15).astype(np.uint8)  # [n, sb, 8, 32]
+    chunks = codes.reshape(n, k // 256, 4, 2, 32)
+    qs = (chunks[..., 0, :] | (chunks[..., 1, :] << 4)).reshape(n, k // 256, 128)
+    out = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), _pack_scales(sc, mn), qs],
+                         axis=-1)
+    return out.reshape(n, -1)
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """round(num / den), 0 where den is 0."""
+    den = np.broadcast_to(den.astype(np.float32)[..., None] if den.ndim < num.ndim else den, num.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den > 0, np.round(num / np.where(den > 0, den, 1.0)), 0.0)
+
+
+def _pack_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and mins -> GGUF's 12 bytes (llama.cpp's get_scale_min_k4 reads them back)."""
+    out = np.zeros((*sc.shape[:-1], 12), dtype=np.uint8)
+    out[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    out[..., 4:8] = mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:8] & 0xF) | ((mn[..., 4:8] & 0xF) << 4)
+    return out

@@ -1,0 +1,62 @@
+"""Write a GGUF copy of a model with its matrices in Q8_0, Q4_0 or Q4_K, all metadata kept.
+
+Why: the default model ships as Q4_1 (which cobatch dequantizes); these files are the quantized kernels'
+end-to-end test inputs (tests/test_quantized_model.py) and the llama.cpp comparison's quantized weights
+(docs/BENCHMARKS.md, Quantized weights). Every 2-D tensor is requantized from its dequantized values:
+Q8_0 and Q4_0 with gguf-py's reference quantizer, Q4_K with models/quantization.py's plain one. As
+llama-quantize does, a matrix whose rows do not split into Q4_K's 256-weight super-blocks falls back to
+a 32-block format (here Q4_0; llama.cpp picks Q5_0); 1-D tensors (norms) stay F32.
+
+    .venv/bin/python scripts/quantize_gguf.py OUT.gguf --type q8_0|q4_0|q4_k [--model IN.gguf]
+"""
+from __future__ import annotations
+
+import argparse
+
+import gguf
+import numpy as np
+import torch
+from dense_gguf import copy_metadata
+
+from cobatch.model_paths import resolve_model_path
+from cobatch.models.quantization import GGUF_TYPES, quantize
+
+_FILE_TYPES = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+               "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S}
+_FALLBACK = "q4_0"  # for a Q4_K file's matrices with K % 256 != 0
+
+
+def tensor_format(shape: tuple[int, ...], name: str) -> str | None:
+    """The format a tensor of numpy shape [rows, K] is written in (None: F32)."""
+    if len(shape) != 2:
+        return None
+    return _FALLBACK if name == "q4_k" and shape[1] % 256 else name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--type", choices=sorted(_FILE_TYPES), required=True)
+    parser.add_argument("--model", default=None, help="input GGUF (default: the built-in model)")
+    args = parser.parse_args()
+    reader = gguf.GGUFReader(str(resolve_model_path(args.model)))
+    writer = gguf.GGUFWriter(args.out, reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    copy_metadata(reader, writer, int(_FILE_TYPES[args.type]))
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # numpy order: ne reversed
+        values = np.ascontiguousarray(values.reshape(tuple(reversed(tensor.shape.tolist()))), dtype=np.float32)
+        fmt = tensor_format(values.shape, args.type)
+        if fmt is None:
+            writer.add_tensor(tensor.name, values)
+            continue
+        blocks = quantize(torch.from_numpy(values), fmt).numpy().reshape(values.shape[0], -1)
+        writer.add_tensor(tensor.name, blocks, raw_dtype=GGUF_TYPES[fmt])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(f"wrote {args.out} ({args.type}, {len(reader.tensors)} tensors)")
+
+
+if __name__ == "__main__":
+    main()

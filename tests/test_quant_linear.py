@@ -1,0 +1,128 @@
+"""csrc/gemm_quant.c through kernels/quant_linear.py: the quantized GEMM against the GGUF weights as gguf-py
+dequantizes them (fp32/fp64 torch), for Q8_0, Q4_0 and Q4_K, any M, N not a multiple of the tile, 1 and 2
+threads, bf16 and bias; the embedding rows; the plain C twin (-DQUANT_SCALAR) on the same layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cobatch.kernels import bindings
+from cobatch.kernels.build import load_library
+from cobatch.kernels.quant_linear import (FORMATS, QuantGemm, is_quantized, native_quant_gemm, pack_blocks,
+                                          quant_type, quantized_linear, quantized_rows, quantized_shape)
+from cobatch.models.quantization import dequantize, quantize
+
+pytestmark = pytest.mark.skipif(native_quant_gemm() is None, reason="the kernels library cannot be built here")
+
+# (format, K): K one block, several, and (Q4_K) several super-blocks
+CASES = [("q8_0", 32), ("q8_0", 96), ("q4_0", 64), ("q4_0", 160), ("q4_k", 256), ("q4_k", 768)]
+# N: one panel, an odd number of panels (the tile takes 2), several tiles
+WIDTHS = (16, 48, 112)
+# M: one row, below / at / past the micro-tile (4), past a task's chunk of rows (128)
+ROWS = (1, 3, 4, 5, 17, 130)
+
+
+def _weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed weight, the dense fp32 weight gguf-py dequantizes from the same blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = quantize(torch.randn(n, k, generator=g) * 0.1, fmt)
+    return pack_blocks(blocks), dequantize(blocks, fmt)
+
+
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel quantizes it (per 32-block: d = max|x| / 127, q = round-half-even(x / d)), dequantized."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv).clamp(-127, 127) * d).reshape(x.shape)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """y against the exact sum of the quantized activations with the dequantized weights (fp64), tight,
+    and against plain fp32 x @ W.T within the activations' quantization error."""
+    exact = _quantized_activations(x).double() @ dense.double().T
+    plain = x.float() @ dense.T
+    if bias is not None:
+        exact, plain = exact + bias.double(), plain + bias.float()
+    scale = exact.abs().max().item()
+    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * scale)
+    assert (y.float() - plain).norm() <= 0.02 * plain.norm()
+
+
+@pytest.mark.parametrize("fmt,k", CASES)
+def test_gemm_matches_the_dequantized_weights(fmt: str, k: int) -> None:
+    torch.manual_seed(1)
+    for n in WIDTHS:
+        packed, dense = _weight(fmt, n, k)
+        assert is_quantized(packed) and quant_type(packed).name == fmt and quantized_shape(packed) == (n, k)
+        assert packed.numel() == n * k // FORMATS[fmt].block_size * FORMATS[fmt].block_bytes  # same bytes
+        for m in ROWS:
+            x = torch.randn(m, k)
+            _check(quantized_linear(x, packed), x, dense)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_thread_count_changes_no_bits(fmt: str, threads: int) -> None:
+    packed, dense = _weight(fmt, 80, 256)
+    x = torch.randn(130, 256)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y = quantized_linear(x, packed)
+        torch.set_num_threads(1)
+        assert torch.equal(y, quantized_linear(x, packed))
+        assert torch.equal(y[7:8], quantized_linear(x[7:8], packed))  # nor the batch around a row
+    finally:
+        torch.set_num_threads(before)
+    _check(y, x, dense)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_bias_bf16_and_batch_dims(fmt: str) -> None:
+    packed, dense = _weight(fmt, 48, 256)
+    x, bias = torch.randn(2, 5, 256), torch.randn(48)
+    y = quantized_linear(x, packed, bias)
+    assert y.shape == (2, 5, 48)
+    _check(y.reshape(10, 48), x.reshape(10, 256), dense, bias)
+    x16, bias16 = x.bfloat16(), bias.bfloat16()
+    y16 = quantized_linear(x16, packed, bias16)
+    assert y16.dtype == torch.bfloat16
+    exact = _quantized_activations(x16.reshape(10, 256)).double() @ dense.double().T + bias16.double()
+    assert torch.allclose(y16.reshape(10, 48).double(), exact, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_embedding_rows_are_the_dequantized_rows(fmt: str) -> None:
+    packed, dense = _weight(fmt, 64, 512)
+    ids = torch.tensor([[0, 63], [17, 17]])
+    assert torch.equal(quantized_rows(ids, packed, torch.float32), dense[ids])
+    assert torch.equal(quantized_rows(ids, packed, torch.bfloat16), dense[ids].bfloat16())
+    with pytest.raises(IndexError):
+        quantized_rows(torch.tensor([64]), packed, torch.float32)
+
+
+def test_bad_shapes_are_refused() -> None:
+    packed, _ = _weight("q8_0", 16, 64)
+    with pytest.raises(ValueError):
+        quantized_linear(torch.randn(2, 32), packed)
+    with pytest.raises(ValueError):
+        pack_blocks(quantize(torch.randn(8, 64), "q8_0"))  # 8 rows: not a whole panel
+
+
+def test_plain_c_twin_matches() -> None:
+    """The -DQUANT_SCALAR build (what a CPU without AVX-512 VNNI runs): the same sums on the same layout."""
+    lib = load_library(("-DQUANT_SCALAR",))
+    if lib is None:
+        pytest.skip("the scalar build failed")
+    scalar = QuantGemm(bindings.bind(lib))
+    assert lib.gemm_quant_is_vnni() == 0
+    for fmt in sorted(FORMATS):
+        packed, dense = _weight(fmt, 48, 256)
+        assert torch.equal(scalar.pack(quantize(torch.zeros(16, 256), fmt)),
+                           pack_blocks(quantize(torch.zeros(16, 256), fmt)))
+        x = torch.randn(5, 256)
+        y = scalar(x, packed)
+        _check(y, x, dense)
+        assert torch.allclose(y, quantized_linear(x, packed), rtol=1e-5, atol=1e-5 * y.abs().max().item())

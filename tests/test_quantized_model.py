@@ -1,0 +1,144 @@
+"""The default model in Q8_0, Q4_0 and Q4_K GGUF files (scripts/quantize_gguf.py) and quantized at load from
+an HF folder (`quantization="q8_0"`): its weights stay quantized (the model's tensor bytes are the
+file's), and its greedy output, teacher-forced through the same weights dequantized to fp32, ranks every
+token in that reference's top 5 (issue 20's criterion; most are its first choice)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from cobatch.kernels.quant_linear import is_quantized, native_quant_gemm, quant_type, quantized_rows, quantized_shape
+from cobatch.llm import LLM
+from cobatch.model_paths import resolve_model_path
+from cobatch.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(native_quant_gemm() is None, reason="the kernels library cannot be built here")
+
+ROOT = Path(__file__).parents[1]
+SCRIPT = ROOT / "scripts" / "quantize_gguf.py"
+TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+NEW_TOKENS = 24
+# no prefix cache: the reference (the same engine, dequantized) must not reuse the quantized run's K/V
+ENGINE = dict(num_kv_blocks=64, max_model_len=256, block_size=16, max_num_batched_tokens=16,
+              enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="session")
+def quantized_gguf(pytestconfig: pytest.Config):
+    """fmt -> the default model's GGUF in that format, written once per version of the script and its
+    quantizer into pytest's cache (about 20 s each)."""
+    digest = hashlib.sha256(SCRIPT.read_bytes() + (ROOT / "cobatch/models/quantization.py").read_bytes())
+    folder = pytestconfig.cache.mkdir(f"quantized-gguf-{digest.hexdigest()[:12]}")
+
+    def make(fmt: str) -> Path:
+        path = folder / f"smollm2-{fmt}.gguf"
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            subprocess.run([sys.executable, str(SCRIPT), str(tmp), "--type", fmt], check=True,
+                           capture_output=True, timeout=600)
+            tmp.rename(path)
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def hf_folder(hf_default_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model as an fp32 Hugging Face folder (transformers' own load of the GGUF, saved)."""
+    from safetensors.torch import save_file
+
+    hf, tok = hf_default_model
+    path = tmp_path_factory.mktemp("smollm2-hf")
+    # save_pretrained refuses a model transformers loaded from a GGUF: write its three files directly
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied
+    save_file(state, str(path / "model.safetensors"))
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    (path / "config.json").write_text(json.dumps(config))
+    tok.save_pretrained(path)
+    return path
+
+
+def _model(llm: LLM) -> torch.nn.Module:
+    return llm.engine.runner.model  # type: ignore[attr-defined]
+
+
+def _dequantize_in_place(model: torch.nn.Module) -> None:
+    """Every quantized weight replaced by its dense fp32 values (the reference: the same weights)."""
+    for param in model.parameters():
+        if is_quantized(param):
+            rows = torch.arange(quantized_shape(param)[0])
+            param.data = quantized_rows(rows, param.data, torch.float32)
+
+
+def _ranks_under(reference: LLM, prompt: list[int], generated: list[int]) -> list[int]:
+    """The rank of each generated token in the reference's distribution, given the same prefix."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = reference.generate([{"prompt_token_ids": prompt + generated}], params, use_tqdm=False)[0]
+    return [entry.rank for entry in out.prompt_logprobs[len(prompt):]]  # type: ignore[index, union-attr]
+
+
+def _check_against_dequantized(llm: LLM, formats: set[str]) -> None:
+    quantized = {quant_type(p).name for p in _model(llm).parameters() if is_quantized(p)}
+    assert quantized == formats
+    tok = llm.tokenizer  # type: ignore[attr-defined]
+    prompts = [tok.encode(t) for t in TEXTS]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _dequantize_in_place(_model(llm))  # the same engine becomes the reference
+    assert not any(is_quantized(p) for p in _model(llm).parameters())
+    for prompt, out in zip(prompts, outs):
+        generated = list(out.outputs[0].token_ids)
+        ranks = _ranks_under(llm, prompt, generated)
+        assert max(ranks) <= 5, f"ranks under the dequantized reference: {ranks}"
+        assert sum(r == 1 for r in ranks) >= 0.75 * len(ranks), ranks
+
+
+def _tensor_bytes(path: Path) -> int:
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+
+
+@pytest.mark.parametrize("fmt,formats", [("q8_0", {"q8_0"}), ("q4_0", {"q4_0"}), ("q4_k", {"q4_k", "q4_0"})])
+def test_quantized_gguf_keeps_its_bytes_and_matches_its_dequantized_weights(quantized_gguf, fmt: str,
+                                                                          formats: set[str]) -> None:
+    """No dense copy kept: the loaded model's tensors hold exactly the file's tensor bytes (the packed
+    layout reorders blocks, it adds nothing; the file is little more than its tensors). Q4_K: SmolLM2's
+    hidden size 576 is no multiple of 256, so only ffn_down is Q4_K (the rest falls back to Q4_0, as
+    llama-quantize falls back)."""
+    path = quantized_gguf(fmt)
+    llm = LLM(str(path), **ENGINE)
+    model_bytes = sum(p.numel() * p.element_size() for p in _model(llm).parameters())
+    assert model_bytes == _tensor_bytes(path)
+    assert model_bytes >= 0.97 * path.stat().st_size
+    _check_against_dequantized(llm, formats)
+
+
+def test_hf_folder_quantized_at_load_matches_its_dequantized_weights(hf_folder: Path) -> None:
+    _check_against_dequantized(LLM(str(hf_folder), quantization="q8_0", **ENGINE), {"q8_0"})
+
+
+def test_quantization_at_load_holds_q8_0_bytes(hf_folder: Path) -> None:
+    """`quantization="q8_0"` on an fp32 folder: 34 bytes per 32 weights of every matrix, norms dense."""
+    llm = LLM(str(hf_folder), quantization="q8_0", **ENGINE)
+    model = _model(llm)
+    matrices = [p for p in model.parameters() if p.dim() > 1]
+    assert all(is_quantized(p) for p in matrices)
+    weights = sum(quantized_shape(p)[0] * quantized_shape(p)[1] for p in matrices)
+    assert sum(p.numel() for p in matrices) == weights * 34 // 32
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
+    assert dense_bytes < 0.001 * weights * 4
+
+
+def test_a_file_mostly_in_other_types_is_served_dense() -> None:
+    """The shipped file is Q4_1 (no kernel) but for its Q8_0 embedding: all of it dequantized, as before."""
+    llm = LLM(None, **ENGINE)
+    assert not any(is_quantized(p) for p in _model(llm).parameters())
+    assert resolve_model_path(None).name.endswith("Q4_1.gguf")
