@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from cobatch.runner.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from cobatch.runner.sampler import Sampler, apply_min_p
+from cobatch.runner.top_k_top_p import apply_top_k_top_p
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import ScheduledRow
 
