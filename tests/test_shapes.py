@@ -13,6 +13,7 @@ whole vocabulary. The C layer loop against the Python one runs where the bf16 ke
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -41,10 +42,13 @@ SMALL: dict[str, dict[str, object]] = {
     "smollm2-135m": {},  # the real widths: hd 64, GQA 3, tied, I 1536 = 32 x 48
     "qwen2.5-0.5b": {"hidden_size": 128, "intermediate_size": 304},  # vocab 151936, bias, GQA 7
     "llama-3.2-1b": {"hidden_size": 128, "intermediate_size": 512},  # llama3 rope, vocab 128256, GQA 4
-    "tinyllama-1.1b": {"hidden_size": 256, "intermediate_size": 351},  # untied, GQA 8, odd I
+    "tinyllama-1.1b": {"hidden_size": 256, "intermediate_size": 351},  # untied, GQA 8, odd I, dynamic rope
     "qwen2.5-1.5b": {"hidden_size": 128, "intermediate_size": 560},  # hd 128, GQA 6, vocab 151936
     "llama-2-7b": {"hidden_size": 256, "intermediate_size": 688, "rope_scaling": _LINEAR_ROPE},  # MHA, hd 128
 }
+# config.json keys a variant adds to what its shape writes: dynamic NTK scaling, which is the default
+# rope up to max_position_embeddings (and max_model_len stays within it).
+CONFIG_EXTRAS: dict[str, dict[str, object]] = {"tinyllama-1.1b": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}}
 INIT_STD = 0.1  # peaked enough that greedy has no near-ties, and attention weights are far from uniform
 
 
@@ -91,6 +95,8 @@ def shape_case(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -
         shape = small_shape(name)
         path = write_checkpoint(shape, tmp_path_factory.mktemp(name), dtype="float32", init_std=INIT_STD,
                                 tokenizer_dir=tiny_model_dir)
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, **CONFIG_EXTRAS.get(name, {})}))
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None  # exactly NEW_TOKENS
         tokens, logprobs = zip(*(_hf_greedy(hf, p) for p in prompts(shape)))

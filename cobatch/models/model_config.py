@@ -22,7 +22,7 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_SCALING:
             raise ValueError(f"unsupported rope scaling {self.rope_type!r}; "
-                             f"supported: {SUPPORTED_ROPE_SCALING} (or none)")
+                             f"supported: {SUPPORTED_ROPE_SCALING}, dynamic, or none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +110,9 @@ def _hf_rope_scaling(cfg: Mapping[str, object]) -> RopeScaling | None:
     if not isinstance(scaling, Mapping):
         return None
     rope_type = str(scaling.get("rope_type") or scaling.get("type") or "default")
-    if rope_type == "default":
+    # Dynamic NTK changes the base only for sequences past max_position_embeddings, which bounds
+    # max_model_len here (ModelRunner): within it, the frequencies are the default ones.
+    if rope_type in ("default", "dynamic"):
         return None
     return RopeScaling(
         rope_type=rope_type,
