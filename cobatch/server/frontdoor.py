@@ -19,6 +19,7 @@ from cobatch.server.errors import APIError, bad_request
 from cobatch.server.generation import GenerationTracker
 from cobatch.server.protocol import MAX_STOP_STRINGS, _SamplingRequest
 from cobatch.server.settings import ServerSettings
+from cobatch.server.structured_request import structured_outputs_of
 from cobatch.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ class ServingContext:
                 ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
                 logprobs=logprobs, logit_bias=self._logit_bias(req.logit_bias),
                 skip_special_tokens=req.skip_special_tokens,
-                deadline_ms=request_deadline_ms(req.deadline_ms, headers))
+                deadline_ms=request_deadline_ms(req.deadline_ms, headers),
+                structured_outputs=structured_outputs_of(req))
         except ValueError as exc:
             raise bad_request(str(exc), sampling_error_param(str(exc))) from exc
 

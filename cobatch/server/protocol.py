@@ -50,6 +50,18 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` extension: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+
 class _SamplingRequest(_Request):
     """Fields common to completions and chat completions (OpenAI's plus vLLM's extensions)."""
 
@@ -77,6 +89,14 @@ class _SamplingRequest(_Request):
     # it at once (429 deadline_unreachable) when its first token is predicted later. The header
     # x-cobatch-deadline-ms sets one too; with both, the tighter applies (docs/SERVER.md).
     deadline_ms: float | None = Field(None, gt=0.0)
+    # Structured outputs (docs/SERVER.md): OpenAI's response_format, vLLM's structured_outputs and its
+    # legacy guided_* fields; at most one of them.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted and ignored: they change nothing about the answer.
     user: str | None = Field(None, max_length=512)
     store: bool | None = None
@@ -181,7 +201,6 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

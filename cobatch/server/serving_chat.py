@@ -47,10 +47,6 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
         raise bad_request("tools (function calling) are not supported", "tools")
     if req.tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice is not supported", "tool_choice")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise bad_request(f"response_format {str(fmt)[:40]!r} is not supported (only text)",
-                          "response_format")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
