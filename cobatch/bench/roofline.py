@@ -67,11 +67,17 @@ def model_cost(model: object) -> ModelCost:
     The embedding table is read one row per token; when lm_head is tied to it, it is counted once as
     lm_head. Norm weights are negligible.
     """
+    from cobatch.kernels.quant_linear import is_quantized, quantized_shape
+
+    def weights(p: object) -> int:  # a quantized tensor's elements are its bytes
+        n, k = quantized_shape(p) if is_quantized(p) else (p.numel(), 1)  # type: ignore[attr-defined, arg-type]
+        return n * k
+
     lm_head, embed = model.lm_head, model.embed_tokens  # type: ignore[attr-defined]
     matmul = [p for p in model.parameters()  # type: ignore[attr-defined]  (tied weights come once)
-              if p.dim() >= 2 and (p is lm_head or p is not embed)]  # packed weights: 4-D, gate/up 5-D
+              if p.dim() >= 2 and (p is lm_head or p is not embed)]  # packed: 4-D, gate/up 5-D, quantized 3-D
     return ModelCost(weight_bytes=sum(p.numel() * p.element_size() for p in matmul),
-                     flops_per_token=2 * sum(p.numel() for p in matmul), lm_head_flops=2 * lm_head.numel())
+                     flops_per_token=2 * sum(map(weights, matmul)), lm_head_flops=2 * weights(lm_head))
 
 
 def ideal_schedule_s(cost: ModelCost, machine: Machine, prompt_lens: list[int], output_lens: list[int]) -> float:
@@ -157,6 +163,7 @@ def measure_machine(model: object, reps: int = 10, m: int = 1024, bandwidth_byte
 
     from cobatch.kernels.hugepages import huge_page_zeros
     from cobatch.kernels.linear import is_gate_up_packed, is_packed, linear, packed_shape, unpack_weight
+    from cobatch.kernels.quant_linear import is_quantized, quantized_shape
 
     peak = 0.0
     seen: set[tuple[int, int]] = set()
@@ -165,10 +172,15 @@ def measure_machine(model: object, reps: int = 10, m: int = 1024, bandwidth_byte
             continue
         if is_gate_up_packed(weight):  # the GEMM alone, without the fused activation: its packed layout
             weight = weight.flatten(0, 1)  # is pack_weight's of the gate/up rows interleaved in blocks
-        n, k = packed_shape(weight) if is_packed(weight) else tuple(weight.shape)
+        quantized = is_quantized(weight)
+        n, k = quantized_shape(weight) if quantized else packed_shape(weight) if is_packed(weight) else weight.shape
         if n > 8192 or (n, k) in seen:  # lm_head / embeddings: too big for cache, not a peak probe
             continue
         seen.add((n, k))
+        if quantized:  # the kernel the engine runs, on the model's activations (its norm's dtype)
+            x = torch.randn(m, k, dtype=model.norm.dtype)  # type: ignore[attr-defined]
+            peak = max(peak, _best_rate(2.0 * m * n * k, lambda: linear(x, weight), reps))
+            continue
         x = torch.randn(m, k, dtype=weight.dtype)
         plain = unpack_weight(weight) if is_packed(weight) else weight  # a contiguous copy
         peak = max(peak, _best_rate(2.0 * m * n * k, lambda: F.linear(x, plain), reps))

@@ -93,26 +93,55 @@ static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2)
 
 /* ------------------------------------------------------------------------ activation quantization */
 
+#if QUANT_VNNI
+/* Row `row` of x into r, per block of 32: scale, codes, sum (16-lane vectors; vcvtps2dq rounds to nearest even, as nearbyintf does by default). */
 static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) {
     const int64_t K = r->K;
-    float v[QB];
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t j = 0; j < K / QB; j++) {
-        float amax = 0.0f;
-        for (int t = 0; t < QB; t++) {
-            int64_t i = row * K + j * QB + t;
-            v[t] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-            amax = fmaxf(amax, fabsf(v[t]));
-        }
+        const int64_t at = row * K + j * QB;
+        __m512 v[2];
+        for (int h = 0; h < 2; h++)
+            v[h] = is_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                 _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at + 16 * h))), 16))
+                           : _mm512_loadu_ps((const float *)x + at + 16 * h);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], sign), _mm512_and_ps(v[1], sign)));
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
-        for (int t = 0; t < QB; t++) {
-            float c = fminf(fmaxf(nearbyintf(v[t] * id), -127.0f), 127.0f);
-            r->q[row * K + j * QB + t] = (int8_t)c;
-            sum += (int32_t)c;
+        __m512i sum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
+            c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+            _mm_storeu_si128((__m128i *)(r->q + at + 16 * h), _mm512_cvtepi32_epi8(c));
+            sum = _mm512_add_epi32(sum, c);
         }
-        r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = sum;
+        r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = _mm512_reduce_add_epi32(sum);
     }
 }
+#else
+/* Block j (32 values) of row `row` of x into r: scale, codes, sum. */
+static void quantize_block_scalar(const void *x, int is_bf16, int64_t row, int64_t j, QuantRows *r) {
+    const int64_t K = r->K, at = row * K + j * QB;
+    float v[QB], amax = 0.0f;
+    for (int t = 0; t < QB; t++) {
+        v[t] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[at + t]) : ((const float *)x)[at + t];
+        const float a = v[t] < 0 ? -v[t] : v[t];
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int t = 0; t < QB; t++) {
+        float c = nearbyintf(v[t] * id);
+        c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+        r->q[at + t] = (int8_t)c;
+        sum += (int32_t)c;
+    }
+    r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = sum;
+}
+
+static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) {
+    for (int64_t j = 0; j < r->K / QB; j++) quantize_block_scalar(x, is_bf16, row, j, r);
+}
+#endif
 
 /* ----------------------------------------------------------------------------- per-block scales */
 
