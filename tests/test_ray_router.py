@@ -164,6 +164,22 @@ def test_an_uncached_prefill_also_costs_the_rows_it_holds_up() -> None:
     assert extra == pytest.approx(3 * (r2.prefill_s - r1.prefill_s), rel=0.05)
 
 
+def test_co_runners_wait_only_for_what_a_prefill_adds_to_their_steps() -> None:
+    """A cached prompt's last chunk rides a step the running rows take anyway: its prefill_s is the
+    chunk's own share, not the whole step (which once made a cached prefix look barely cheaper)."""
+    busy_stats = dict(num_running=3, num_running_tokens=3 * 70)
+    state = state_with(fake_stats("r1", **busy_stats), fake_stats("r2", **busy_stats))
+    state.index.record_routed("r1", prompt_block_hashes(user_prompt(0), BLOCK_SIZE))
+    decision = state.decide(query("q", user_prompt(1)), ["r1", "r2"], NOW)
+    r1, r2 = sorted(decision.candidates, key=lambda c: c.replica_id)
+    c0, c_row, c_token, c_context = COEFFICIENTS
+    num_uncached = len(user_prompt(1)) - r1.num_prefix_blocks * BLOCK_SIZE
+    cached_context = r1.num_prefix_blocks * BLOCK_SIZE + num_uncached
+    assert r1.prefill_s == pytest.approx(c_row + c_token * num_uncached + c_context * cached_context)
+    # Uncached, 64 tokens take two steps beside the 3 rows (a budget of 64 = 3 decode + 61): each adds a row.
+    assert r2.prefill_s == pytest.approx(2 * c_row + (c_token + c_context) * len(user_prompt(1)))
+
+
 def test_a_kv_short_replica_costs_the_wait_for_running_requests_to_free_blocks() -> None:
     full = fake_stats("r1", num_kv_blocks=64, num_kv_blocks_free=2, num_running=8,
                       num_running_tokens=8 * 28, mean_output_tokens=32.0)

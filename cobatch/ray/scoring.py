@@ -8,8 +8,9 @@ in-flight ledger) and the prompt blocks the replica probably caches (the prefix 
                      step-time model; plus the wait for a seat when all max_num_seqs are taken
     tpot_s           the decode step time once it is seated (its own TPOT and its co-runners')
     step_increase_s  how much longer each of those decode steps is because of it
-    prefill_s        the steps its own uncached prompt takes: every row decoding there waits for
-                     them (a cached prefix spares the co-runners as much as the request itself)
+    prefill_s        what its own uncached prompt adds to the steps it runs in (their decode share
+                     runs anyway): every row decoding there waits for it, so a cached prefix spares
+                     the co-runners as much as the request itself
 
     score_s = ttft_s + num_other_rows * prefill_s + K * (tpot_s + num_other_rows * step_increase_s)
               + penalty_s
@@ -137,7 +138,7 @@ class CandidateScore:
     ttft_s: float
     tpot_s: float
     step_increase_s: float
-    prefill_s: float  # the steps of its own uncached prompt (its co-runners wait for them too)
+    prefill_s: float  # what its own uncached prompt adds to its steps (its co-runners wait too)
     num_prefix_blocks: int  # leading prompt blocks it probably caches
     num_prefill_tokens: int  # prompt tokens it would compute
     num_queued_tokens: int  # prefill tokens ahead of the request there
@@ -177,18 +178,23 @@ def _or_fallback(coefficients: Coefficients, fallback: Coefficients) -> Coeffici
 
 
 def _prefill_time_s(coefficients: Coefficients, stats: ReplicaStats, num_tokens: int,
-                    num_cached_tokens: int) -> float:
+                    num_cached_tokens: int, marginal: bool = False) -> float:
     """Seconds of the steps that compute `num_tokens` of prefill beside the running decode rows.
 
     Each step gives decode rows one token first, the rest of the budget to prefill chunks in queue
-    order; the last chunk (the request's own) also reads its cached prefix.
+    order; the last chunk (the request's own) also reads its cached prefix. `marginal`: only what the
+    chunks add to those steps (the decode rows' own share runs anyway) -- what co-runners wait for.
     """
     rows, context = stats.num_running, stats.num_running_tokens
     chunk = max(stats.max_num_batched_tokens - rows, 1)
     num_full, rest = divmod(num_tokens, chunk)
     full_step_s = predict_step_s(coefficients, rows + 1, rows + chunk, context + chunk)
     last_step_s = predict_step_s(coefficients, rows + 1, rows + rest, context + rest + num_cached_tokens)
-    return num_full * full_step_s + (last_step_s if rest else 0.0)
+    total_s = num_full * full_step_s + (last_step_s if rest else 0.0)
+    if not marginal or not rows:
+        return total_s
+    decode_step_s = predict_step_s(coefficients, rows, rows, context)
+    return max(total_s - (num_full + (1 if rest else 0)) * decode_step_s, 0.0)
 
 
 def _seat_wait_s(stats: ReplicaStats, load: InFlightLoad, tpot_now_s: float,
@@ -223,7 +229,7 @@ class _Prediction:
     num_queued_tokens: int
     tpot_now_s: float  # the decode step there before the request
     seat_wait_s: float  # of ttft_s: the wait for a free seat
-    prefill_s: float  # of ttft_s: its own uncached prompt's steps
+    prefill_s: float  # its own uncached prompt's addition to the steps it runs in
 
 
 def _predict(stats: ReplicaStats, load: InFlightLoad, num_prompt_tokens: int, num_prefix_blocks: int,
@@ -236,7 +242,10 @@ def _predict(stats: ReplicaStats, load: InFlightLoad, num_prompt_tokens: int, nu
     tpot_now_s = predict_step_s(decode, rows, rows, context) if rows else 0.0
     seat_wait_s = _seat_wait_s(stats, load, tpot_now_s, config.default_mean_output_tokens)
     all_prefill_s = _prefill_time_s(step, stats, queued + num_prompt_tokens - num_cached, num_cached)
-    own_prefill_s = all_prefill_s - _prefill_time_s(step, stats, queued, 0)
+    # What its chunks add to the steps the running rows take anyway: a cached prompt adds little.
+    own_prefill_s = (_prefill_time_s(step, stats, queued + num_prompt_tokens - num_cached, num_cached,
+                                     marginal=True)
+                     - _prefill_time_s(step, stats, queued, 0, marginal=True))
     ttft_s = 0.5 * tpot_now_s + seat_wait_s + all_prefill_s  # (the step in progress: half done)
     # Requests routed but not reported yet will decode there too: count them, or a burst herds.
     other_rows = rows + load.num_requests
