@@ -48,6 +48,12 @@ FORBIDDEN: dict[str, set[str]] = {
     "cobatch.async_engine": {"cobatch.server"},
     "cobatch.server": {"cobatch.scheduler", "cobatch.runner", "cobatch.block_manager", "cobatch.models",
                        "cobatch.engine", "cobatch.request", "torch", KERNELS},
+    # structured outputs: a leaf beside the runner (the engine drives it; the server checks constraints
+    # with its grammar_spec, which needs no torch)
+    "cobatch.structured_output": {"cobatch.scheduler", "cobatch.block_manager", "cobatch.engine",
+                                  "cobatch.server", "cobatch.request", "cobatch.runner", "cobatch.models",
+                                  KERNELS},
+    "cobatch.structured_output.grammar_spec": {"torch", "cobatch.tokenizer"},
     "cobatch.model_paths": {"torch", "cobatch"},  # locating files: the tokenizer and server use it
     "cobatch.testing": {"cobatch.server"},
     # the live views' records and the traces built from them: the loop side of the engine, no model
