@@ -17,12 +17,13 @@ if TYPE_CHECKING:
     from cobatch.config import EngineConfig
     from cobatch.llm import LLM
     from cobatch.outputs import CompletionOutput, RequestOutput
-    from cobatch.sampling_params import SamplingParams
+    from cobatch.sampling_params import SamplingParams, StructuredOutputsParams
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     "LLM": "cobatch.llm",
     "SamplingParams": "cobatch.sampling_params",
+    "StructuredOutputsParams": "cobatch.sampling_params",
     "EngineConfig": "cobatch.config",
     "RequestOutput": "cobatch.outputs",
     "CompletionOutput": "cobatch.outputs",
