@@ -62,12 +62,15 @@ class Tokenizer:
         return list(self.hf.convert_ids_to_tokens(list(ids)))  # type: ignore[attr-defined]
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, object]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        """Chat messages -> prompt token ids, through the model's own template."""
+                            add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, object]] | None = None) -> list[int]:
+        """Chat messages (and the tools the model may call) -> prompt token ids, through the model's
+        own template (a template that ignores `tools` renders none: see server/tool_format.py)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template: use a plain completion prompt")
         text = self.hf.apply_chat_template(  # type: ignore[attr-defined]
-            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False)
+            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False,
+            tools=None if tools is None else [dict(t) for t in tools])
         # The template writes its own special tokens (BOS, <|im_start|>, ...): don't add them twice.
         return self.encode(str(text), add_special_tokens=False)
 

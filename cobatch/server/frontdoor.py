@@ -20,6 +20,7 @@ from cobatch.server.generation import GenerationTracker
 from cobatch.server.protocol import MAX_STOP_STRINGS, _SamplingRequest
 from cobatch.server.settings import ServerSettings
 from cobatch.server.structured_request import structured_outputs_of
+from cobatch.server.tool_format import template_supports_tools
 from cobatch.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,11 @@ class ServingContext:
     tokenizer: Tokenizer
     settings: ServerSettings
     _token_text: dict[tuple[int, bool], str] = field(default_factory=dict)
+    # Whether the chat template renders `tools` itself (else tool_format writes them in the text).
+    template_has_tools: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.template_has_tools = template_supports_tools(self.tokenizer)
 
     # ---- checks -----------------------------------------------------------------------------------
 

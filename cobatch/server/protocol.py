@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_N = 32
+MAX_TOOLS = 128  # OpenAI's bound on `tools`
 
 
 class _Request(BaseModel):
@@ -176,12 +177,29 @@ class TextContentPart(_Request):
     text: str
 
 
-class ChatMessage(_Request):
-    """One message of a conversation."""
+class FunctionCall(_Request):
+    """A function call an earlier assistant message made: its name and its arguments as JSON text."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str = Field(max_length=256)
+    arguments: str
+
+
+class ToolCallParam(_Request):
+    """One tool call of an earlier assistant message (answered by a "tool" message with its id)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Request):
+    """One message of a conversation (a "tool" message answers an assistant's tool call by id)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCallParam] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
 
     def text(self) -> str:
         """The content as one string (text parts concatenated)."""
@@ -190,6 +208,35 @@ class ChatMessage(_Request):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Request):
+    """A function the model may call: `parameters` is a JSON schema of its arguments object."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # only the declared properties, every one required (OpenAI's)
+
+
+class ChatTool(_Request):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    """The function a named tool_choice forces."""
+
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(_Request):
+    """tool_choice {"type": "function", "function": {"name": ...}}: call exactly that function."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -201,9 +248,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TopLogprob(_Response):
@@ -226,11 +273,34 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOutput(_Response):
+    """A generated call: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    """One tool call of the generated message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOutput
+
+
 class AssistantMessage(_Response):
-    """The generated message."""
+    """The generated message (content null when it is only tool calls; tool_calls left out if none)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(_Response):
@@ -254,15 +324,36 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
-class DeltaMessage(_Response):
-    """What a chat stream chunk adds to one choice (unset fields are left out, as OpenAI does)."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class _DropNone(_Response):
+    """A stream shape whose unset fields are left out, as OpenAI does."""
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    """A tool call's piece in one chunk: the name in its first, then fragments of the arguments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    """One tool call's part of a chunk; `index` says which call, id and type come in its first."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_DropNone):
+    """What a chat stream chunk adds to one choice (unset fields are left out, as OpenAI does)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):
