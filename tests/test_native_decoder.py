@@ -12,6 +12,7 @@ import torch
 from cobatch.kernels.bindings import KERNEL_TIMERS
 from cobatch.kernels.decoder import NativeDecoder
 from cobatch.kernels.linear import is_gate_up_packed, is_packed, native_gemm
+from cobatch.kernels.quant_linear import is_quantized, native_quant_gemm
 from cobatch.models import llama as llama_module
 from cobatch.models.loader import build_model
 from cobatch.models.model_config import ModelConfig
@@ -56,6 +57,31 @@ def _forward(runner: ModelRunner, out: SchedulerOutput, native: bool,
         return hidden, runner.kv_cache.clone()
     finally:
         runner.kv_cache.copy_(cache)
+
+
+@pytest.mark.skipif(native_quant_gemm() is None, reason="the kernels library cannot be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch, quantization, overrides", [
+    ("llama", "q8_0", {}),
+    ("qwen2", "q4_0", {}),  # q/k/v biases
+    ("llama", "q8_0", {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1}),  # hd 64
+])
+def test_quantized_weights_same_bits_as_the_python_layer_loop(arch: str, quantization: str, overrides: dict,
+                                                               dtype: torch.dtype) -> None:
+    """Quantized projections (csrc/gemm_quant.c) in fp32 (this loop's only fp32 case) and bf16."""
+    hf = tiny_hf_model(arch, **overrides)
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    runner = ModelRunner.from_model(build_model(config, hf.state_dict(), dtype, quantization=quantization),
+                                    config, 64, 4)
+    assert is_quantized(runner.model.layers[0].qkv_proj)
+    assert runner.native_decoder is not None  # bf16 too without AVX512-BF16: no bf16 GEMM is needed
+    out = _mixed_step(runner)
+    hidden, cache = _forward(runner, out, native=True)
+    ref_hidden, ref_cache = _forward(runner, out, native=False)
+    assert hidden.dtype == dtype and torch.isfinite(hidden).all()
+    assert torch.equal(hidden, ref_hidden)
+    assert torch.equal(cache, ref_cache)
+    assert not torch.equal(cache, runner.kv_cache)
 
 
 @needs_kernels

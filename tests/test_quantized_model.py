@@ -18,6 +18,7 @@ import torch
 from cobatch.kernels.quant_linear import is_quantized, native_quant_gemm, quant_type, quantized_rows, quantized_shape
 from cobatch.llm import LLM
 from cobatch.model_paths import resolve_model_path
+from cobatch.runner.layer_loop import native_layer_loop
 from cobatch.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(native_quant_gemm() is None, reason="the kernels library cannot be built here")
@@ -93,7 +94,10 @@ def _check_against_dequantized(llm: LLM, formats: set[str]) -> None:
     prompts = [tok.encode(t) for t in TEXTS]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    _dequantize_in_place(_model(llm))  # the same engine becomes the reference
+    _dequantize_in_place(_model(llm))  # the same engine becomes the reference: dense fp32, the Python loop
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    runner.native_decoder = native_layer_loop(runner.model)  # the C loop held the quantized tensors
+    assert runner.native_decoder is None
     assert not any(is_quantized(p) for p in _model(llm).parameters())
     for prompt, out in zip(prompts, outs):
         generated = list(out.outputs[0].token_ids)

@@ -1,11 +1,12 @@
-"""All decoder layers of a step in one native call (csrc/decoder.c), for bf16 models on packed weights.
+"""All decoder layers of a step in one native call (csrc/decoder.c): bf16 models on packed or quantized
+weights, fp32 models on quantized ones.
 
 The C loop calls the same kernels as the model's layer-by-layer Python path (models/llama.py), in the same
 order, so both give the same bits (tests compare them); it only removes the per-layer Python and torch
 dispatch that dominated small decode steps. It knows no model class: the caller hands it the weights and
 shape (`DecoderWeights`; the runner builds them from the model it holds). `NativeDecoder.build` returns
-None where any piece is missing (fp32, a weight left unpacked, no compiler, COBATCH_NO_NATIVE=1): the
-model then runs its Python loop.
+None where any piece is missing (fp32 dense weights, a bf16 weight left unpacked, no compiler,
+COBATCH_NO_NATIVE=1): the model then runs its Python loop.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from cobatch.kernels.attention import KVCache, load_attention_kernel
 from cobatch.kernels.bindings import KERNEL_TIMERS, Buffers, Layer, Shape, Step, kernel_seconds, load_kernels
 from cobatch.kernels.fused_ops import fused_ops
 from cobatch.kernels.linear import is_gate_up_packed, is_packed, native_gemm
+from cobatch.kernels.quant_linear import is_quantized, native_quant_gemm, quant_type
 
 
 class PagedMetadata(Protocol):
@@ -33,7 +35,8 @@ class PagedMetadata(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    """One decoder layer's tensors as the C loop reads them (bf16; projections packed by kernels/linear.py)."""
+    """One decoder layer's tensors as the C loop reads them (projections packed by kernels/linear.py or
+    quantized: kernels/quant_linear.py)."""
 
     input_norm: torch.Tensor  # [H]
     qkv: torch.Tensor  # rows q | k | v
@@ -70,17 +73,32 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _gate_up_layout(weight: torch.Tensor) -> str | None:
-    return "fused" if is_gate_up_packed(weight) else "packed" if is_packed(weight) else None
+PACKED_BF16 = -1  # Layer's *_type of a weight packed for gemm_bf16 (else the quantized format's qtype)
+
+
+def projection_type(weight: torch.Tensor) -> int | None:
+    """The C loop's type of a projection: PACKED_BF16, a quantized format's qtype, or None (neither)."""
+    if is_quantized(weight):
+        return quant_type(weight).qtype
+    return PACKED_BF16 if is_packed(weight) else None
+
+
+def _is_fused(weights: DecoderWeights) -> bool:
+    return all(is_gate_up_packed(layer.gate_up) for layer in weights.layers)
 
 
 def can_run(weights: DecoderWeights) -> bool:
-    """bf16, every projection packed (gate/up the same way in all layers) and every kernel built here."""
-    projections = [w for layer in weights.layers for w in (layer.qkv, layer.o, layer.down)]
-    gate_up_layouts = {_gate_up_layout(layer.gate_up) for layer in weights.layers}
-    return (weights.final_norm.dtype == torch.bfloat16 and all(is_packed(w) for w in projections)
-            and gate_up_layouts in ({"fused"}, {"packed"})
-            and fused_ops().native and native_gemm() is not None and load_attention_kernel() is not None)
+    """Every projection packed or quantized (fp32: quantized; gate/up fused in all layers or none), and
+    every kernel it needs built here."""
+    dtype, fused = weights.final_norm.dtype, _is_fused(weights)
+    types = [projection_type(w) for layer in weights.layers
+             for w in (layer.qkv, layer.o, layer.down, *(() if fused else (layer.gate_up,)))]
+    packed = fused or PACKED_BF16 in types
+    if None in types or dtype not in (torch.bfloat16, torch.float32) or (dtype == torch.float32 and packed):
+        return False
+    return (fused_ops().native and load_attention_kernel() is not None
+            and (not packed or native_gemm() is not None)
+            and (all(t == PACKED_BF16 for t in types) or native_quant_gemm() is not None))
 
 
 class NativeDecoder:
@@ -89,15 +107,17 @@ class NativeDecoder:
     def __init__(self, weights: DecoderWeights, lib: ctypes.CDLL) -> None:
         w = weights
         self._weights, self._lib = w, lib
-        fused_mlp = is_gate_up_packed(w.layers[0].gate_up)  # can_run checked all layers agree
+        fused_mlp, self._dtype = _is_fused(w), w.final_norm.dtype  # can_run checked all layers agree
         self._shape = Shape(w.hidden_size, w.intermediate_size, w.num_heads, w.num_kv_heads, w.head_dim, 0,
-                            int(fused_mlp), w.rms_norm_eps, w.head_dim ** -0.5)
+                            int(fused_mlp), int(self._dtype == torch.bfloat16), w.rms_norm_eps, w.head_dim ** -0.5)
         self._layers = (Layer * len(w.layers))(*(
             Layer(*(_ptr(t) for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.o_bias,
-                                      layer.post_norm, layer.gate_up, layer.down)), None, None)
+                                      layer.post_norm, layer.gate_up, layer.down)), None, None,
+                  *(PACKED_BF16 if fused_mlp and t is layer.gate_up else projection_type(t)
+                    for t in (layer.qkv, layer.o, layer.gate_up, layer.down)))
             for layer in w.layers))
         self._bound_caches: Sequence[KVCache] | None = None
-        self._scratch = torch.empty(0, dtype=torch.bfloat16)  # the per-step activations (_workspace)
+        self._scratch = torch.empty(0, dtype=self._dtype)  # the per-step activations (_workspace)
 
     @classmethod
     def build(cls, weights: DecoderWeights) -> NativeDecoder | None:
@@ -163,10 +183,11 @@ class NativeDecoder:
         w = self._weights
         gate_up = 0 if self._shape.fused_mlp else 2 * w.intermediate_size  # fused: never materialized
         widths = (w.hidden_size, w.hidden_size, w.qkv_size, w.num_heads * w.head_dim, gate_up, w.intermediate_size)
-        sizes = [-(-num_tokens * width // 32) * 32 for width in widths]  # whole 64-byte lines of bf16
+        line = 64 // self._scratch.element_size()  # elements per 64-byte line
+        sizes = [-(-num_tokens * width // line) * line for width in widths]  # whole lines
         if self._scratch.numel() < sum(sizes):
-            self._scratch = torch.empty(sum(sizes) + 32, dtype=torch.bfloat16)
-        base = (-self._scratch.data_ptr() // 2) % 32  # elements to the first 64-byte boundary
+            self._scratch = torch.empty(sum(sizes) + line, dtype=self._dtype)
+        base = (-self._scratch.data_ptr() // self._scratch.element_size()) % line  # to the first line boundary
         views = []
         for width, size in zip(widths, sizes):
             views.append(self._scratch[base:base + num_tokens * width].view(num_tokens, width))
@@ -179,7 +200,7 @@ class NativeDecoder:
         if kv_caches is self._bound_caches:
             return
         assert len(kv_caches) == len(self._layers) and all(
-            t.is_contiguous() and t.dtype == torch.bfloat16 for kv in kv_caches for t in kv)
+            t.is_contiguous() and t.dtype == self._dtype for kv in kv_caches for t in kv)
         for layer, (k, v) in zip(self._layers, kv_caches):
             layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
         self._shape.block_size = kv_caches[0][0].shape[1]

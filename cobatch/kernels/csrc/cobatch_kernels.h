@@ -92,17 +92,20 @@ void paged_write_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v,
                          uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping, int64_t num_tokens,
                          int num_kv_heads, int head_dim, int block_size);
 
-/* ------------------------------------------------- decoder.c: all layers of a bf16 step in one call */
+/* ------------------------------------------------------ decoder.c: all layers of a step in one call */
 
-/* bf16 model shape; weights packed for gemm_bf16, gate/up for gemm_bf16_silu when fused_mlp. */
+/* Model shape; activations, norms, biases and KV bf16 (is_bf16) or fp32; gate/up packed for
+ * gemm_bf16_silu when fused_mlp. */
 typedef struct {
-    int64_t hidden, inter, num_heads, num_kv_heads, head_dim, block_size, fused_mlp;
+    int64_t hidden, inter, num_heads, num_kv_heads, head_dim, block_size, fused_mlp, is_bf16;
     float eps, scale;
 } Shape;
 
+/* Each projection packed for gemm_bf16 (its *_type -1, bf16 only) or quantized for gemm_quant (QUANT_*). */
 typedef struct {
     const void *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down; /* biases may be NULL */
     void *k_cache, *v_cache; /* [blocks, block_size, kv heads, head_dim], laid out as the kernel reads */
+    int64_t qkv_type, o_type, gate_up_type, down_type;
 } Layer;
 
 /* This step's batch: the attention metadata of models/attention.py, and the rows whose output is wanted

@@ -1,13 +1,14 @@
 /* The decoder layers of one step in one native call: the same kernels, in the same order, with the same
- * arguments as models/llama.py's layer-by-layer path (which stays: fp32, the profiler's labelled parts,
- * other devices), so the two give the same bits.
+ * arguments as models/llama.py's layer-by-layer path (which stays: dense fp32, the profiler's labelled
+ * parts, other devices), so the two give the same bits. Activations bf16 on packed bf16 or quantized
+ * projections, or fp32 on quantized ones (gemm_quant.c; Layer's *_type says which GEMM each takes).
  *
  * Why: a decode step's kernels are small: at batch 1 the layer loop made ~15 Python/torch calls per layer
  * (wrappers, views, output allocations, the K/V index copies), ~3-4 ms per step against ~8 ms of weight
  * streaming (measured: B=1 10.8 -> 8.1 ms). Here the loop is C; the activations live in buffers the caller
  * keeps across steps.
  *
- * The kernels are the library's own (gemm_bf16.c, fused_ops.c, paged_attention.c), called through
+ * The kernels are the library's own (gemm_bf16.c, gemm_quant.c, fused_ops.c, paged_attention.c), called through
  * cobatch_kernels.h, which also declares the structs below (Shape, Layer, Step, Buffers).
  *
  * Per layer, with x the previous layer's MLP output and residual the running sum (layer 0: residual holds
@@ -43,10 +44,25 @@ static double timer_last;
 #define TIMER(i) ((void)0)
 #endif
 
-/* dst[i] = src[rows[i]] for n rows of `width` bf16 values. */
-static void gather_rows(void *dst, const void *src, const int64_t *rows, int64_t n, int64_t width) {
+/* dst[i] = src[rows[i]] for n rows of `width` values of esize bytes. */
+static void gather_rows(void *dst, const void *src, const int64_t *rows, int64_t n, int64_t width, size_t esize) {
     for (int64_t i = 0; i < n; i++)
-        memcpy((uint16_t *)dst + i * width, (const uint16_t *)src + rows[i] * width, sizeof(uint16_t) * width);
+        memcpy((char *)dst + esize * i * width, (const char *)src + esize * rows[i] * width, esize * width);
+}
+
+/* y = x W^T (+ bias): W packed for gemm_bf16 (qtype < 0) or quantized (gemm_quant, fp32 or bf16 x). */
+static int linear(const Shape *s, int64_t qtype, const void *x, const void *w, const void *bias, void *y,
+                  int64_t M, int64_t N, int64_t K, int threads) {
+    if (qtype >= 0) return gemm_quant(x, w, (int)qtype, bias, y, M, N, K, (int)s->is_bf16, threads);
+    return gemm_bf16(x, w, bias, y, M, N, K, threads);
+}
+
+/* The new tokens' K/V into the cache, in the activations' dtype. */
+static void write_kv(const Shape *s, const Layer *l, const void *k, const void *v, int64_t stride,
+                     const int64_t *slots, int64_t n) {
+    const int kvh = (int)s->num_kv_heads, hd = (int)s->head_dim, bs = (int)s->block_size;
+    if (s->is_bf16) paged_write_kv_bf16(k, stride, v, stride, l->k_cache, l->v_cache, slots, n, kvh, hd, bs);
+    else paged_write_kv_f32(k, stride, v, stride, l->k_cache, l->v_cache, slots, n, kvh, hd, bs);
 }
 
 /* One layer; returns 0 or the failing kernel's status. `last` with st->keep: only the kept rows past the
@@ -55,22 +71,24 @@ static int layer_forward(const Shape *s, const Layer *l, const Step *st, const B
                          int threads) {
     const int64_t H = s->hidden, nh = s->num_heads, kvh = s->num_kv_heads, hd = s->head_dim;
     const int64_t qkv_width = (nh + 2 * kvh) * hd;
+    const int bf16 = (int)s->is_bf16;
+    const size_t esize = bf16 ? 2 : 4;
     int64_t T = st->num_tokens;
     int status;
-    add_rms_norm(first ? NULL : b->x, b->residual, l->input_norm, b->h, T, H, s->eps, 1);
+    add_rms_norm(first ? NULL : b->x, b->residual, l->input_norm, b->h, T, H, s->eps, bf16);
     TIMER(0);
-    if ((status = gemm_bf16(b->h, l->qkv, l->qkv_bias, b->qkv, T, qkv_width, H, threads))) return status;
+    status = linear(s, l->qkv_type, b->h, l->qkv, l->qkv_bias, b->qkv, T, qkv_width, H, threads);
+    if (status) return status;
     TIMER(1);
-    rope_inplace(b->qkv, st->cos, st->sin, st->positions, T, qkv_width, nh + kvh, hd, 1);
+    rope_inplace(b->qkv, st->cos, st->sin, st->positions, T, qkv_width, nh + kvh, hd, bf16);
     TIMER(2);
     const int64_t q_width = nh * hd;  /* K and V: the columns of qkv after q */
     /* The first num_own_writes tokens (one-token rows: decode) have the attention kernel write their K/V
      * just before it reads them (paged_attention.c, write_own_key); the others are written here. Not in
      * the last layer's kept-rows call, whose tiles and q rows are the kept ones. */
     const int64_t own = last && st->keep != NULL ? 0 : st->num_own_writes;
-    const uint16_t *k_rows = (const uint16_t *)b->qkv + own * qkv_width + q_width;
-    paged_write_kv_bf16(k_rows, qkv_width, k_rows + kvh * hd, qkv_width, l->k_cache, l->v_cache,
-                        st->slot_mapping + own, T - own, (int)kvh, (int)hd, (int)s->block_size);
+    const char *k_rows = (const char *)b->qkv + esize * (own * qkv_width + q_width);
+    write_kv(s, l, k_rows, k_rows + esize * kvh * hd, qkv_width, st->slot_mapping + own, T - own);
     TIMER(3);
     const void *q = b->qkv;
     const int64_t *tiles = st->tiles;
@@ -79,34 +97,38 @@ static int layer_forward(const Shape *s, const Layer *l, const Step *st, const B
     if (last && st->keep != NULL) {
         T = st->num_keep;
         if (T == 0) return 0;
-        gather_rows(b->q_keep, b->qkv, st->keep, T, qkv_width);
-        gather_rows(b->residual_keep, b->residual, st->keep, T, H);
+        gather_rows(b->q_keep, b->qkv, st->keep, T, qkv_width, esize);
+        gather_rows(b->residual_keep, b->residual, st->keep, T, H, esize);
         q = b->q_keep, tiles = st->keep_tiles, num_tiles = T, residual = b->residual_keep;
     }
-    if ((status = paged_attention_bf16(q, qkv_width, l->k_cache, l->v_cache, st->block_tables, st->max_blocks,
-                                       tiles, (int)num_tiles, b->attn, (int)nh, (int)kvh, (int)hd,
-                                       (int)s->block_size, s->scale, own)))
-        return status;
+    status = bf16 ? paged_attention_bf16(q, qkv_width, l->k_cache, l->v_cache, st->block_tables, st->max_blocks,
+                                         tiles, (int)num_tiles, b->attn, (int)nh, (int)kvh, (int)hd,
+                                         (int)s->block_size, s->scale, own)
+                  : paged_attention_f32(q, qkv_width, l->k_cache, l->v_cache, st->block_tables, st->max_blocks,
+                                        tiles, (int)num_tiles, b->attn, (int)nh, (int)kvh, (int)hd,
+                                        (int)s->block_size, s->scale, own);
+    if (status) return status;
     TIMER(4);
-    if ((status = gemm_bf16(b->attn, l->o, l->o_bias, b->x, T, H, nh * hd, threads))) return status;
+    if ((status = linear(s, l->o_type, b->attn, l->o, l->o_bias, b->x, T, H, nh * hd, threads))) return status;
     TIMER(5);
-    add_rms_norm(b->x, residual, l->post_norm, b->h, T, H, s->eps, 1);
+    add_rms_norm(b->x, residual, l->post_norm, b->h, T, H, s->eps, bf16);
     TIMER(6);
     if (s->fused_mlp) {
         if ((status = gemm_bf16_silu(b->h, l->gate_up, b->act, T, s->inter, H, threads))) return status;
     } else {
-        if ((status = gemm_bf16(b->h, l->gate_up, NULL, b->gate_up, T, 2 * s->inter, H, threads))) return status;
-        silu_mul(b->gate_up, b->act, T, s->inter, 1);
+        status = linear(s, l->gate_up_type, b->h, l->gate_up, NULL, b->gate_up, T, 2 * s->inter, H, threads);
+        if (status) return status;
+        silu_mul(b->gate_up, b->act, T, s->inter, bf16);
     }
     TIMER(7);
-    status = gemm_bf16(b->act, l->down, NULL, b->x, T, H, s->inter, threads);
+    status = linear(s, l->down_type, b->act, l->down, NULL, b->x, T, H, s->inter, threads);
     TIMER(8);
     return status;
 }
 
-/* All layers of one step (bf16), then the final norm (its weight: final_norm) into b->out. Returns 0, or
- * the status of the first failing kernel (paged attention: -1 out of memory for its scratch; gemm_bf16:
- * -2 bad shape, which packed weights rule out). */
+/* All layers of one step (bf16 or fp32 activations), then the final norm (its weight: final_norm) into
+ * b->out. Returns 0, or the status of the first failing kernel (paged attention or gemm_quant: -1 out of
+ * memory for their scratch; the GEMMs: -2 bad shape, which packed weights rule out). */
 int decoder_forward(const Shape *s, const Layer *layers, int num_layers, const void *final_norm,
                     const Step *st, const Buffers *b, int threads) {
     if (st->num_tokens <= 0) return 0;
@@ -117,7 +139,7 @@ int decoder_forward(const Shape *s, const Layer *layers, int num_layers, const v
     }
     const int keep = st->keep != NULL;
     add_rms_norm(num_layers > 0 ? b->x : NULL, keep ? b->residual_keep : b->residual, final_norm, b->out,
-                 keep ? st->num_keep : st->num_tokens, s->hidden, s->eps, 1);
+                 keep ? st->num_keep : st->num_tokens, s->hidden, s->eps, (int)s->is_bf16);
     TIMER(0);  /* with the layers' input norms */
     return 0;
 }

@@ -12,11 +12,12 @@
 static const FieldLayout LAYOUTS[] = {
     STRUCT(Shape), FIELD(Shape, hidden), FIELD(Shape, inter), FIELD(Shape, num_heads),
     FIELD(Shape, num_kv_heads), FIELD(Shape, head_dim), FIELD(Shape, block_size), FIELD(Shape, fused_mlp),
-    FIELD(Shape, eps), FIELD(Shape, scale),
+    FIELD(Shape, is_bf16), FIELD(Shape, eps), FIELD(Shape, scale),
 
     STRUCT(Layer), FIELD(Layer, input_norm), FIELD(Layer, qkv), FIELD(Layer, qkv_bias), FIELD(Layer, o),
     FIELD(Layer, o_bias), FIELD(Layer, post_norm), FIELD(Layer, gate_up), FIELD(Layer, down),
-    FIELD(Layer, k_cache), FIELD(Layer, v_cache),
+    FIELD(Layer, k_cache), FIELD(Layer, v_cache), FIELD(Layer, qkv_type), FIELD(Layer, o_type),
+    FIELD(Layer, gate_up_type), FIELD(Layer, down_type),
 
     STRUCT(Step), FIELD(Step, num_tokens), FIELD(Step, max_blocks), FIELD(Step, num_tiles),
     FIELD(Step, num_keep), FIELD(Step, num_own_writes), FIELD(Step, positions), FIELD(Step, slot_mapping),
