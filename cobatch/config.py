@@ -17,6 +17,7 @@ Batching = Literal["continuous", "static"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+ThreadPolicyMode = Literal["adaptive", "fixed"]
 Quantization = Literal["q8_0", "q4_0"]
 
 _T = TypeVar("_T")
@@ -149,7 +150,12 @@ class EngineConfig(SchedulingOptions):
                                                  _positive)
     max_model_len: int | None = _option(None, "longest prompt + output (default: the model's)", _positive)
     seed: int = _option(0, "seed of the sampler for requests without a seed of their own")
-    num_threads: int | None = _option(None, "torch CPU threads (default: torch's choice)", _positive)
+    num_threads: int | None = _option(None, "torch CPU threads (default: torch's choice); with the "
+                                      "adaptive thread policy, the most it uses", _positive)
+    thread_policy: ThreadPolicyMode = _option("adaptive", "CPU compute threads: adaptive (fewer while other "
+                                              "processes keep the CPUs busy, since each parallel "
+                                              "region waits for a descheduled thread; all again when "
+                                              "they are free) or fixed (always --num-threads)")
 
     def __post_init__(self) -> None:
         _validate_fields(self)

@@ -62,7 +62,8 @@ def test_generator_command_lines_parse() -> None:
     assert args.num_prompts == 16 and args.max_num_seqs == 8 and args.hf_static_batch_sizes == "32,64"
 
 
-@pytest.mark.parametrize("module", ["benchmarks.claims", "benchmarks.peers", "benchmarks.spec_decode_ab"])
+@pytest.mark.parametrize("module", ["benchmarks.claims", "benchmarks.peers", "benchmarks.spec_decode_ab",
+                                    "benchmarks.shared_cpu"])
 def test_generator_help_runs_from_the_repo_root(module: str) -> None:
     done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)

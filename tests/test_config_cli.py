@@ -23,7 +23,7 @@ NON_DEFAULT: dict[str, object] = {
     "num_speculative_tokens": 3, "ngram_prompt_lookup_min": 3, "ngram_prompt_lookup_max": 5,
     "model": "some/model.gguf", "dtype": "bfloat16", "device": "cpu", "quantization": "q8_0", "num_kv_blocks": 123,
     "kv_cache_memory_gb": 1.5, "swap_space": 0.25, "max_num_batched_tokens": 4096, "max_model_len": 1024,
-    "seed": 9, "num_threads": 2,
+    "seed": 9, "num_threads": 2, "thread_policy": "fixed",
 }
 
 

@@ -26,6 +26,7 @@ from cobatch.models.model_config import ModelConfig
 from cobatch.runner.layer_loop import native_layer_loop
 from cobatch.runner.prompt_logprobs import prompt_logprobs as compute_prompt_logprobs
 from cobatch.runner.sampler import Sampler
+from cobatch.runner.thread_policy import ThreadGovernor
 from cobatch.scheduler_output import RunnerOutput, ScheduledRow, SchedulerOutput
 from cobatch.structured_output.bitmask import GrammarBitmask
 
@@ -41,7 +42,8 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, *, num_kv_blocks: int,
                  block_size: int, num_swap_blocks: int = 0, max_model_len: int | None = None,
-                 seed: int = 0, native_attention: bool = True) -> None:
+                 seed: int = 0, native_attention: bool = True,
+                 thread_governor: ThreadGovernor | None = None) -> None:
         param = model.norm  # the model's dtype (a quantized embedding table is uint8 blocks)
         if param.dtype == torch.bfloat16 and param.device.type == "cpu" and model.pack_linear_weights():
             release_freed_heap()  # the unpacked copies (the native GEMM's layout: kernels/linear.py)
@@ -69,6 +71,7 @@ class ModelRunner:
         self.last_timings: dict[str, float] = {}
         self._profiling = False  # set only inside profile_step
         self._timed_decoder: NativeDecoder | None = None  # profile_step's twin of the C layer loop
+        self.thread_governor = thread_governor  # the adaptive thread policy (None: threads fixed)
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelRunner:
@@ -81,8 +84,11 @@ class ModelRunner:
         bytes_per_block = kv_bytes_per_token(model_config, dtype) * config.block_size
         num_kv_blocks = config.num_kv_blocks or max(1, int(_kv_cache_bytes(config, device) // bytes_per_block))
         num_swap_blocks = int(config.swap_space * _GIB // bytes_per_block)
+        governor = (ThreadGovernor.for_this_process(torch.get_num_threads(), torch.set_num_threads)
+                    if config.thread_policy == "adaptive" and device.type == "cpu" else None)
         return cls(model, model_config, num_kv_blocks=num_kv_blocks, block_size=config.block_size,
-                   num_swap_blocks=num_swap_blocks, max_model_len=config.max_model_len, seed=config.seed)
+                   num_swap_blocks=num_swap_blocks, max_model_len=config.max_model_len, seed=config.seed,
+                   thread_governor=governor)
 
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, model_config: ModelConfig, num_kv_blocks: int,
@@ -116,6 +122,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> RunnerOutput:
         """Swap out, swap in, one forward over `out.rows`, sample the rows with needs_sample (their
         logits masked first by `grammar_bitmask`, the constrained rows' structured outputs)."""
+        if self.thread_governor is not None:
+            self.thread_governor.before_step()  # here: on the thread that runs the step
         copies = {"num_copied_blocks": len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
                   "copy_s": self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)}
         self.last_timings = {"prepare_s": 0.0, "forward_s": 0.0, "lm_head_s": 0.0, "sample_s": 0.0}
