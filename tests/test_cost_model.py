@@ -7,7 +7,7 @@ import random
 import pytest
 
 from cobatch.bench.steps import StepSample, batch_ratio, coefficients_ms, fit, max_batch_for_slo
-from cobatch.cost_model import StepTimeModel, r_squared
+from cobatch.cost_model import StepTimeModel, predict_with, r_squared, solve
 
 TRUE = (0.020, 0.001, 0.0005, 0.00002)  # constant, per row, per token, per context token
 
@@ -108,3 +108,30 @@ def test_steps_of_one_shape_stay_in_the_constant_and_do_not_inflate_a_prefill() 
         model.observe(1, 1, 170 + i, 0.1)
     assert model.predict(1, 1, 175) == pytest.approx(0.1, rel=1e-3)
     assert model.predict(1, 170, 170) == pytest.approx(0.1, rel=0.05)
+
+
+def test_a_negative_slope_is_refitted_away_not_clamped() -> None:
+    """Decode steps whose context grows with their rows: the unconstrained fit pairs a negative
+    per-context slope with an inflated per-row one; clamping the first kept the second (0.36 s a row
+    was seen on ~0.05 s steps), the non-negative fit re-solves without it."""
+    rng = random.Random(1)
+    model = StepTimeModel(decay=1.0)
+    steps = []
+    for _ in range(200):
+        rows = rng.randint(1, 8)
+        offset = rng.randint(-400, 400) * (1 if rows % 2 else -1)
+        context = 800 * rows + offset
+        seconds = 0.03 + 0.024 * rows + rng.gauss(0.0, 0.004) - 1e-5 * offset
+        model.observe(rows, rows, context, seconds)
+        steps.append((rows, context, seconds))
+    unconstrained = solve([row[:] for row in model._xtx], list(model._xty))
+    assert min(unconstrained) < 0  # the case this guards against
+
+    def squared_error(coefficients: tuple[float, ...]) -> float:
+        return sum((predict_with(coefficients, r, r, c) - s) ** 2 for r, c, s in steps)
+
+    clamped = tuple(max(c, 0.0) for c in unconstrained)
+    fitted = model.fit()
+    assert min(fitted) >= 0.0
+    assert squared_error(fitted) < squared_error(clamped) / 20
+    assert predict_with(fitted, 4, 4, 3200) == pytest.approx(0.03 + 0.024 * 4, rel=0.1)
