@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from cobatch.models.llama import rope_inv_freq
-from cobatch.models.loader import load_model, load_model_config, resolve_model_path, reverse_rope_permute
+from cobatch.models.loader import (_GGUF_LAYER_NAMES, load_model, load_model_config, resolve_model_path,
+                                   reverse_rope_permute)
 from cobatch.runner.model_runner import ModelRunner
 from tests.runner_helpers import BlockAllocator, hf_greedy, step, tiny_hf_model
 
@@ -78,6 +80,74 @@ def test_llama3_rope_scaling_matches_hf(tmp_path: Path) -> None:
     ours = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     assert torch.allclose(ours, hf.model.rotary_emb.inv_freq)
     assert not torch.allclose(ours, rope_inv_freq(config.head_dim, config.rope_theta, None))
+
+
+def _llama_cpp_rope_freqs(scaling: dict, head_dim: int) -> list[float]:
+    """Llama-3 scaling as llama.cpp's converter writes it: one divisor per frequency pair (rope_freqs)."""
+    import math
+
+    old, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    low, high = old / scaling["low_freq_factor"], old / scaling["high_freq_factor"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * scaling["rope_theta"] ** (i / head_dim)
+        smooth = (old / wavelen - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"])
+        out.append(1.0 if wavelen < high else factor if wavelen > low else 1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _write_llama_gguf(hf: torch.nn.Module, path: Path, rope_freqs: list[float]) -> None:
+    """The tiny HF llama as a GGUF file the way llama.cpp's converter lays it out (q/k rows permuted)."""
+    import gguf
+
+    c, sd = hf.config, hf.state_dict()
+    permute = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}
+    names = {hf_name: gguf_name for gguf_name, hf_name in _GGUF_LAYER_NAMES.items()}
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("embedding_length", c.hidden_size), ("block_count", c.num_hidden_layers),
+                       ("feed_forward_length", c.intermediate_size), ("context_length", c.max_position_embeddings),
+                       ("attention.head_count", c.num_attention_heads),
+                       ("attention.head_count_kv", c.num_key_value_heads)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    w.add_float32("llama.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for name, tensor in sd.items():
+        if name in top:
+            w.add_tensor(top[name], tensor.numpy())
+            continue
+        parts = name.split(".")  # model.layers.L.<module>.<kind>
+        layer, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+        if parts[-2] in permute:  # convert_hf_to_gguf.py's permute for llama.cpp's RoPE
+            n = permute[parts[-2]]
+            tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+        w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", tensor.contiguous().numpy())
+    w.add_tensor("rope_freqs.weight", np.array(rope_freqs, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_rope_freqs_llama3_scaling_matches_hf(tmp_path: Path) -> None:
+    """A Llama-3.x GGUF keeps its RoPE scaling as the rope_freqs tensor: loaded, it gives HF's tokens."""
+    scaling = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf = tiny_hf_model("llama", seed=6, rope_parameters=scaling)
+    path = tmp_path / "llama3.gguf"
+    _write_llama_gguf(hf, path, _llama_cpp_rope_freqs(scaling, hf.config.head_dim))
+    config = load_model_config(path)
+    assert config.rope_scaling is not None and config.rope_scaling.rope_type == "freq_factors"
+    ours = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    assert torch.allclose(ours, hf.model.rotary_emb.inv_freq)
+    model, config = load_model(path, torch.float32)
+    runner = ModelRunner.from_model(model, config, num_kv_blocks=16, block_size=4)
+    seq = BlockAllocator(4).seq("r", PROMPT, len(PROMPT) + 6)
+    step(runner, [(seq, None)])
+    for _ in range(5):
+        step(runner, [(seq, 1)])
+    assert seq.output == hf_greedy(hf, PROMPT, 6)
 
 
 def test_unknown_rope_scaling_is_refused(tmp_path: Path) -> None:

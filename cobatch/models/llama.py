@@ -50,12 +50,16 @@ def scope(name: str, enabled: bool) -> ContextManager[object]:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Per-pair rotation frequencies [hd / 2] (fp32), with linear or Llama-3 scaling applied."""
+    """Per-pair rotation frequencies [hd / 2] (fp32), with linear, Llama-3 or per-pair scaling applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "freq_factors":
+        if len(scaling.freq_factors) != len(inv_freq):
+            raise ValueError(f"rope freq_factors has {len(scaling.freq_factors)} values for head_dim {head_dim}")
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
     return _llama3_inv_freq(inv_freq, scaling)
 
 

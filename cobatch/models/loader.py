@@ -250,10 +250,7 @@ def _gguf_to_hf_name(name: str) -> str | None:
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{kind}"
-    if stem == "rope_freqs":
-        raise ValueError("GGUF files with precomputed rope_freqs (Llama 3.1 scaling) are not supported; "
-                         "use the Hugging Face folder instead")
-    return None
+    return None  # rope_freqs is read into the config (_gguf_rope_scaling)
 
 
 def reverse_rope_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -297,11 +294,16 @@ def _gguf_config(reader: object, path: Path) -> ModelConfig:
         o_proj_bias="blk.0.attn_output.bias" in tensor_names,
         bos_token_id=_opt(get("tokenizer.ggml.bos_token_id")),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),  # type: ignore[call-overload]
-        rope_scaling=_gguf_rope_scaling(get, arch),
+        rope_scaling=_gguf_rope_scaling(get, arch, reader.tensors),  # type: ignore[attr-defined]
     )
 
 
-def _gguf_rope_scaling(get: object, arch: str) -> RopeScaling | None:
+def _gguf_rope_scaling(get: object, arch: str, tensors: list) -> RopeScaling | None:
+    # llama.cpp's converter writes Llama-3 scaling as a rope_freqs tensor of per-pair divisors.
+    freqs = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        values = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
+        return RopeScaling(rope_type="freq_factors", freq_factors=tuple(float(v) for v in values))
     kind = get(f"{arch}.rope.scaling.type")  # type: ignore[operator]
     if kind in (None, "none"):
         return None

@@ -6,18 +6,21 @@ from dataclasses import dataclass
 from typing import Mapping
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_SCALING = ("linear", "llama3")
+SUPPORTED_ROPE_SCALING = ("linear", "llama3", "freq_factors")
 
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """RoPE frequency scaling: "linear" (positions / factor) or Llama-3's "llama3" band scaling."""
+    """RoPE frequency scaling: "linear" (positions / factor), Llama-3's "llama3" band scaling, or
+    "freq_factors": one divisor per frequency pair, the form a GGUF file stores Llama-3 scaling in
+    (its rope_freqs tensor), without the parameters it came from."""
 
     rope_type: str
-    factor: float
+    factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_SCALING:
