@@ -34,7 +34,7 @@ from cobatch.bench.common import write_json
 from cobatch.bench.datasets import BenchRequest, LengthSpec, WorkloadSpec, synthesize
 from cobatch.bench.serve import LoadSpec, benchmark, resolve_model
 from cobatch.runner.cpu_usage import read_cpu_sample, usable_cpus
-from cobatch.testing.server import free_port, terminate, wait_ready
+from cobatch.testing.server import free_port, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 _READY_TIMEOUT_S = 300.0
@@ -86,14 +86,8 @@ def server(setup: Setup, log_dir: Path) -> Iterator[ServerLog]:
     log_path = log_dir / f"shared_cpu-{setup.name}.log"
     cmd = [sys.executable, "-m", "cobatch.cli", "serve", "--port", str(port), "--log-level", "info",
            *_COMMON_FLAGS, *setup.flags]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1", **dict(setup.env)))
-        try:
-            wait_ready(base_url, proc, _READY_TIMEOUT_S, log_path)
-            yield ServerLog(base_url, log_path, proc.pid)
-        finally:
-            terminate(proc, timeout_s=30)
+    with running_server(cmd, base_url, log_path, _READY_TIMEOUT_S, dict(setup.env), ROOT) as proc:
+        yield ServerLog(base_url, log_path, proc.pid)
 
 
 @contextmanager

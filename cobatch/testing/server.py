@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -34,6 +37,22 @@ def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float,
             pass  # not listening yet
         time.sleep(0.1)
     raise TimeoutError(f"the server was not ready after {timeout_s} s{_log_tail(log_path)}")
+
+
+@contextmanager
+def running_server(cmd: list[str], base_url: str, log_path: Path, ready_timeout_s: float,
+                   env: Mapping[str, str] | None = None,
+                   cwd: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """A server process (any: cobatch serve, llama-server) logging to `log_path`, ready at `base_url`'s
+    /health for the block, terminated after it."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+        try:
+            wait_ready(base_url, proc, ready_timeout_s, log_path)
+            yield proc
+        finally:
+            terminate(proc, timeout_s=30)
 
 
 def terminate(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:

@@ -1,0 +1,234 @@
+"""`python -m benchmarks.llama_cpp`: cobatch and llama.cpp's `llama-server` on the same GGUF files, served.
+
+For each named shape (benchmarks/shapes.py: random weights, the published config) it writes the HF
+folder, converts it with llama.cpp's own `convert_hf_to_gguf.py` to a dense GGUF (bf16 and/or f32) and
+requantizes that file to Q8_0 / Q4_0 (scripts/quantize_gguf.py, gguf-py's reference rounding, every
+matrix). Both servers then load the very same file. Against each, in turn, one server up at a time:
+
+    single   one stream: --num-single requests one after another
+    batch    --batch-size requests at once
+
+through `cobatch bench serve`'s client (token-id prompts, ignore_eos, the same lengths). The order of the
+two servers alternates per repeat (the host is shared and noisy: compare the ratios). The roofline of a
+one-stream decode is the read bandwidth (measured here, the servers' thread count) over the bytes a
+token reads: the file's matrices (the embedding table only when it is also the lm_head). cobatch on a
+CPU without AVX512-BF16 computes a bf16 file in fp32 (it reads twice the file's bytes); llama.cpp keeps
+bf16. JSON + plot.
+
+    .venv/bin/python -m benchmarks.llama_cpp --llama-cpp DIR [--shapes smollm2-135m,qwen2.5-0.5b]
+        [--formats bf16,q8_0,q4_0] [--threads 1] [--repeats 1] [--work-dir /tmp/llama_cpp_shapes]
+
+DIR is a llama.cpp tree with `build/bin/llama-server` built (docs/BENCHMARKS.md says how).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from benchmarks.shapes import SHAPES, write_checkpoint
+from benchmarks.shared_cpu import workload
+from cobatch.bench.common import write_json
+from cobatch.bench.datasets import BenchRequest
+from cobatch.bench.serve import LoadSpec, benchmark, resolve_model
+from cobatch.testing.server import free_port, running_server
+
+ROOT = Path(__file__).resolve().parent.parent
+DENSE = ("bf16", "f32")
+QUANTIZED = ("q8_0", "q4_0", "q4_k")
+SERVERS = ("llama-server", "cobatch")
+_READY_TIMEOUT_S = 600.0  # a 1.5B fp32 checkpoint takes a while to load and pack
+
+
+def gguf_files(shape: str, formats: list[str], work_dir: Path, llama_cpp: Path) -> dict[str, Path]:
+    """format -> the GGUF file of `shape` in it (written once, reused by later runs)."""
+    hf_dir = work_dir / shape
+    if not (hf_dir / "config.json").exists():
+        write_checkpoint(SHAPES[shape], hf_dir)
+    files = {}
+    for fmt in formats:
+        path = work_dir / f"{shape}-{fmt}.gguf"
+        if not path.exists():
+            _write_gguf(fmt, hf_dir, path, work_dir / f"{shape}-bf16.gguf", llama_cpp)
+        files[fmt] = path
+    return files
+
+
+def _write_gguf(fmt: str, hf_dir: Path, path: Path, dense_bf16: Path, llama_cpp: Path) -> None:
+    if fmt in DENSE:
+        cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", fmt,
+               "--outfile", str(path)]
+    else:
+        if not dense_bf16.exists():
+            _write_gguf("bf16", hf_dir, dense_bf16, dense_bf16, llama_cpp)
+        cmd = [sys.executable, str(ROOT / "scripts" / "quantize_gguf.py"), str(path), "--type", fmt,
+               "--model", str(dense_bf16)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+
+
+def bytes_per_token(path: Path) -> int:
+    """Bytes of weights one decode step reads: every matrix, the embedding only when tied to lm_head."""
+    import gguf
+
+    tensors = gguf.GGUFReader(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors
+               if len(t.shape) == 2 and (tied or t.name != "token_embd.weight"))
+
+
+def read_bandwidth(threads: int, nbytes: int = 1 << 29, reps: int = 5) -> float:
+    """Bytes/s of a large sum with `threads` threads (the best of `reps`), on huge pages like the engine's."""
+    import torch
+
+    from cobatch.kernels.hugepages import huge_page_zeros
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        big = huge_page_zeros((nbytes // 4,), torch.float32).fill_(1.0)
+        big.sum()
+        best = min(_timed(big.sum) for _ in range(reps))
+    finally:
+        torch.set_num_threads(before)
+    return nbytes / best
+
+
+def _timed(fn: object) -> float:
+    start = time.perf_counter()
+    fn()  # type: ignore[operator]
+    return time.perf_counter() - start
+
+
+@contextmanager
+def serving(server: str, path: Path, args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
+    """`server` on the GGUF `path` for the block; its base URL."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    slots = args.batch_size
+    if server == "llama-server":
+        cmd = [str(args.llama_cpp / "build" / "bin" / "llama-server"), "-m", str(path), "-t", str(args.threads),
+               "-np", str(slots), "-c", str(slots * (args.input_len + args.output_len + 16)), "--port", str(port)]
+    else:
+        cmd = [sys.executable, "-m", "cobatch.cli", "serve", str(path), "--port", str(port),
+               "--num-threads", str(args.threads), "--thread-policy", "fixed", "--max-num-seqs", str(slots),
+               "--max-model-len", str(args.input_len + args.output_len + 16), "--kv-cache-memory-gb", "0.5"]
+    with running_server(cmd, base_url, log_dir / f"{server}-{path.stem}.log", _READY_TIMEOUT_S, cwd=ROOT):
+        yield base_url
+
+
+def measure(base_url: str, requests: list[BenchRequest], concurrency: int) -> dict[str, float]:
+    """Output tok/s and median TPOT of one load."""
+    spec = LoadSpec(base_url, resolve_model(base_url, None), max_concurrency=concurrency, use_token_ids=True, timeout_s=1800.0)
+    report = asyncio.run(benchmark(requests, spec, show_progress=False))
+    if report["failed"]:
+        raise RuntimeError(f"{report['failed']} requests failed: {report['errors']}")
+    return {"tok_s": report["output_throughput"], "tpot_ms_p50": report["tpot_ms"]["p50"]}
+
+
+def loads(args: argparse.Namespace) -> dict[str, tuple[list[BenchRequest], int]]:
+    return {"single": (workload(args.num_single, args.output_len, args.input_len, 0), 1),
+            "batch": (workload(args.batch_size, args.output_len, args.input_len, 1), args.batch_size)}
+
+
+def run_file(path: Path, args: argparse.Namespace, log_dir: Path) -> dict[str, dict]:
+    """Both servers on one file, `repeats` times, the order alternating: server -> load -> runs."""
+    runs: dict[str, dict[str, list[dict]]] = {s: {load: [] for load in loads(args)} for s in SERVERS}
+    for repeat in range(args.repeats):
+        for server in SERVERS[repeat % 2:] + SERVERS[:repeat % 2]:
+            with serving(server, path, args, log_dir) as base_url:
+                for load, (requests, concurrency) in loads(args).items():
+                    measure(base_url, requests[:concurrency], concurrency)  # warm-up
+                    run = measure(base_url, requests, concurrency)
+                    runs[server][load].append(run)
+                    print(f"  {server:12s} {load:6s} #{repeat}: {run['tok_s']:7.2f} tok/s", flush=True)
+    return {s: {load: {"runs": r, "tok_s": statistics.median(x["tok_s"] for x in r)} for load, r in by.items()}
+            for s, by in runs.items()}
+
+
+def summarize(fmt: str, path: Path, result: dict[str, dict], bandwidth: float) -> dict:
+    """Ratios cobatch / llama-server, and each one stream against the roofline of the file's bytes."""
+    nbytes = bytes_per_token(path)
+    roofline = bandwidth / nbytes
+    summary = {"format": fmt, "file": path.name, "bytes_per_token": nbytes, "read_bytes_per_s": bandwidth,
+               "roofline_tok_s": roofline, "servers": result}
+    for load in ("single", "batch"):
+        summary[f"{load}_ratio"] = result["cobatch"][load]["tok_s"] / result["llama-server"][load]["tok_s"]
+    for server in SERVERS:
+        summary[f"{server}_single_of_roofline"] = result[server]["single"]["tok_s"] / roofline
+    return summary
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """cobatch / llama-server per shape and format: one stream and batch, the targets (1x, 2x) drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['shape']}\n{r['format']}" for r in results]
+    xs = range(len(results))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(results)), 4.2))
+    ax.bar([x - 0.2 for x in xs], [r["single_ratio"] for r in results], 0.4, label="one stream")
+    ax.bar([x + 0.2 for x in xs], [r["batch_ratio"] for r in results], 0.4, label="batch")
+    for level in (1.0, 2.0):
+        ax.axhline(level, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(list(xs), labels, fontsize="small")
+    ax.set_ylabel("cobatch tok/s / llama-server tok/s")
+    ax.set_title("served side by side on the same GGUF file")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp tree, llama-server built")
+    parser.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b,llama-3.2-1b")
+    parser.add_argument("--formats", default="bf16,q8_0,q4_0", help=f"of {', '.join(DENSE + QUANTIZED)}")
+    parser.add_argument("--threads", type=int, default=1, help="both servers' compute threads")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--num-single", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/llama_cpp_shapes"))
+    parser.add_argument("--json", default=str(ROOT / "docs/bench/llama_cpp_shapes.json"))
+    parser.add_argument("--plot", default=str(ROOT / "docs/img/llama_cpp_shapes.png"))
+    args = parser.parse_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for shape in args.shapes.split(","):
+        files = gguf_files(shape, args.formats.split(","), args.work_dir, args.llama_cpp)
+        for fmt, path in files.items():
+            print(f"{shape} {fmt}: {path}", flush=True)
+            bandwidth = read_bandwidth(args.threads)
+            summary = summarize(fmt, path, run_file(path, args, args.work_dir), bandwidth)
+            results.append({"shape": shape, **summary})
+            print(f"{shape} {fmt}: cobatch / llama-server one stream {summary['single_ratio']:.2f}x, batch "
+                  f"{summary['batch_ratio']:.2f}x; one stream of roofline: cobatch "
+                  f"{summary['cobatch_single_of_roofline']:.0%}, llama-server "
+                  f"{summary['llama-server_single_of_roofline']:.0%}", flush=True)
+            write_json(args.json, {"machine": _machine(args), "results": results})  # partial results kept
+    plot(results, Path(args.plot))
+    print(f"wrote {args.json} and {args.plot}")
+    return 0
+
+
+def _machine(args: argparse.Namespace) -> dict:
+    import os
+    import platform
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "machine": platform.machine(),
+            "threads": args.threads, "batch_size": args.batch_size, "num_single": args.num_single,
+            "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
