@@ -56,7 +56,8 @@ class BlockManager:
         self.block_hash_of: dict[int, int] = {}  # block id -> block hash
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already registered
         self.free_swap_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))
-        self.swap_tables: dict[str, list[int]] = {}
+        self.swap_tables: dict[str, list[int]] = {}  # request id -> host blocks of its copied blocks
+        self.swap_resident: dict[str, int] = {}  # request id -> leading shared blocks left on the device
         self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_cache_hits = 0  # of which found
         self.num_evictions_total = 0  # cached blocks reused for other content (their prefix is gone)
@@ -108,8 +109,12 @@ class BlockManager:
         self.update_block_hashes(request)
         # The last token is always computed, so the step yields logits to sample from.
         max_blocks = (request.num_tokens - 1) // self.block_size
+        return self._cached_run(request.block_hashes[:max_blocks])
+
+    def _cached_run(self, block_hashes: Sequence[int]) -> list[int]:
+        """The device blocks of the leading hashes that are cached, up to the first miss."""
         hits: list[int] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in block_hashes:
             block = self.cached_blocks.get(block_hash)
             if block is None:
                 break
@@ -207,33 +212,65 @@ class BlockManager:
         return block
 
     # ---- swap ----------------------------------------------------------------------------------
+    # A victim's leading blocks that live requests share stay on the device, uncopied: moving them would
+    # free nothing, and a swap-in that brought back private copies would hold the shared prefix twice.
+    # Swap-in takes them back by hash from the prefix cache (with any other leading block still cached).
 
     def can_swap_out(self, request: Request) -> bool:
-        return len(self.block_tables.get(request.request_id, [])) <= len(self.free_swap_blocks)
+        num_copied = len(self.block_tables.get(request.request_id, [])) - self.num_shared_prefix_blocks(request)
+        return num_copied <= len(self.free_swap_blocks)
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Move the request's blocks to the host pool: (device block, host block) copies to do."""
-        table = self.block_tables[request.request_id]
-        host = [self.free_swap_blocks.pop() for _ in table]
-        mapping = list(zip(table, host))
+        """Move the request's unshared blocks to the host pool: (device block, host block) copies to do."""
+        num_resident = self.num_shared_prefix_blocks(request)
+        copied = self.block_tables[request.request_id][num_resident:]
+        host = [self.free_swap_blocks.pop() for _ in copied]
         self.free(request)
         self.swap_tables[request.request_id] = host
-        return mapping
+        self.swap_resident[request.request_id] = num_resident
+        return list(zip(copied, host))
+
+    def _swap_in_prefix(self, request: Request) -> list[int]:
+        """Device blocks that still hold the swapped request's leading computed blocks (by hash)."""
+        if not self.enable_prefix_caching:
+            return []
+        return self._cached_run(request.block_hashes[:request.num_computed_tokens // self.block_size])
+
+    def is_swap_prefix_resident(self, request: Request) -> bool:
+        """False when a shared block left on the device was evicted while the request was out."""
+        return len(self._swap_in_prefix(request)) >= self.swap_resident[request.request_id]
+
+    def num_blocks_to_swap_in(self, request: Request) -> int:
+        """Free blocks swap_in would take: cached ones revived from the free list, and the copies' ones."""
+        prefix = self._swap_in_prefix(request)
+        num_copied = len(self.swap_tables[request.request_id]) + self.swap_resident[request.request_id]
+        return sum(1 for b in prefix if self.ref_counts[b] == 0) + num_copied - len(prefix)
 
     def can_swap_in(self, request: Request, use_watermark: bool = True) -> bool:
-        return self.can_allocate(len(self.swap_tables[request.request_id]), use_watermark)
+        return self.can_allocate(self.num_blocks_to_swap_in(request), use_watermark)
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
-        """Bring the request's blocks back: (host block, device block) copies to do."""
+        """Bring the request's blocks back: (host block, device block) copies to do (none for cached ones)."""
+        prefix = self._swap_in_prefix(request)
+        num_resident = self.swap_resident.pop(request.request_id)
+        assert len(prefix) >= num_resident, "a resident prefix block was evicted (check is_swap_prefix_resident)"
         host = self.swap_tables.pop(request.request_id)
         table = self.block_table(request.request_id)
         assert not table, "a swapped request holds no device blocks"
-        for _ in host:
+        for block in prefix:
+            self._take(block)
+            table.append(block)
+        copies = []
+        for host_block in host[len(prefix) - num_resident:]:  # host copies of cached blocks go unused
             table.append(self._pop_free_block())
+            copies.append((host_block, table[-1]))
         self.free_swap_blocks.extend(reversed(host))
-        return list(zip(host, table))
+        # The copies land before this step's forward: other swapped requests may take these blocks now.
+        self.cache_full_blocks(request)
+        return copies
 
     def free_swap(self, request: Request) -> None:
+        self.swap_resident.pop(request.request_id, None)
         self.free_swap_blocks.extend(reversed(self.swap_tables.pop(request.request_id, [])))
 
     # ---- invariants --------------------------------------------------------------------------
@@ -252,3 +289,4 @@ class BlockManager:
         host_used = [b for t in self.swap_tables.values() for b in t]
         assert len(host_used) == len(set(host_used)), "a host block is in two swap tables"
         assert len(host_used) + len(self.free_swap_blocks) == self.num_swap_blocks, "host blocks leaked"
+        assert self.swap_resident.keys() == self.swap_tables.keys(), "a swap record is half gone"

@@ -19,8 +19,9 @@ NO_COEFFICIENTS = (0.0,) * NUM_FEATURES  # a model that has not seen enough step
 # Predicts a step's seconds from (rows, batched tokens, context tokens), like StepTimeModel.predict:
 # what the TPOT SLO bounds the batch with (slo.py, scheduler.py).
 StepTimePredictor = Callable[[int, int, int], float]
-# (num_computed_tokens, num_cached_tokens, num_blocks) of a preemption victim -> predicted seconds of
-# (recompute, swap out and back in); None where there is no prediction yet (preemption_mode auto).
+# (num_computed_tokens, num_cached_tokens, num_blocks a swap copies: its unshared ones) of a preemption
+# victim -> predicted seconds of (recompute, swap out and back in); None where there is no prediction yet
+# (preemption_mode auto).
 PreemptionCostPredictor = Callable[[int, int, int], tuple[float | None, float | None]]
 
 

@@ -332,10 +332,12 @@ class Scheduler:
         if self.preemption_cost_predictor is None:
             return None, None
         bm = self.block_manager
-        # Leading blocks another live request shares stay resident: re-admission finds them cached.
-        num_cached = min(bm.num_shared_prefix_blocks(victim) * bm.block_size, victim.num_computed_tokens)
-        num_blocks = len(bm.block_tables.get(victim.request_id, ()))
-        return self.preemption_cost_predictor(victim.num_computed_tokens, num_cached, num_blocks)
+        # Leading blocks another live request shares stay resident: re-admission finds them cached,
+        # and a swap leaves them on the device uncopied.
+        num_shared = bm.num_shared_prefix_blocks(victim)
+        num_cached = min(num_shared * bm.block_size, victim.num_computed_tokens)
+        num_copied = len(bm.block_tables.get(victim.request_id, ())) - num_shared
+        return self.preemption_cost_predictor(victim.num_computed_tokens, num_cached, num_copied)
 
     def _schedule_swapped(self, plan: _StepPlan) -> str | None:
         """Swap back in from the head of `swapped`; the reason the rest stay out (None: none left)."""
@@ -346,6 +348,9 @@ class Scheduler:
             if plan.budget <= 0:
                 return TOKEN_BUDGET
             request = self.swapped[0]
+            if not bm.is_swap_prefix_resident(request):
+                self._recompute_swapped(request)
+                continue
             use_watermark = bool(self.running)
             if not bm.can_swap_in(request, use_watermark):
                 reason = WATERMARK if use_watermark and bm.can_swap_in(request, False) else KV_BLOCKS
@@ -362,6 +367,17 @@ class Scheduler:
             else:  # back in, but no block for its next token
                 self.waits.hold(request.request_id, request.wait, KV_BLOCKS)
         return None
+
+    def _recompute_swapped(self, request: Request) -> None:
+        """A swapped request whose shared prefix, left on the device, was evicted: it resumes by recompute."""
+        self.swapped.remove(request)
+        self.block_manager.free_swap(request)
+        request.metrics.num_recomputed_tokens += request.num_computed_tokens
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        insort(self.waiting, request, key=self._order_key)
+        self.waits.leave(request.wait, WAITING)
+        self.waits.enter(request.wait, WAITING)
 
     def _schedule_waiting(self, plan: _StepPlan) -> str | None:
         """Admit from the head of `waiting`; the reason the rest wait (None: nobody left)."""

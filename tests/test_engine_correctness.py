@@ -86,6 +86,42 @@ def test_prefix_cache_hit_keeps_greedy_output(hf_llama, reference) -> None:
     assert engine.scheduler.block_manager.num_cache_hits > 0
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_shared_prefix_under_preemption_matches_hf(mode: str, hf_llama) -> None:
+    """A 3-block prompt prefix shared by 5 requests in a pool that holds 2 of them at full length: a
+    swap leaves the shared blocks on the device and takes them back, a recompute finds them cached."""
+    from tests.test_swap_prefix import assert_prefix_held_once  # the fake-runner tests' check
+
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 256, (12,), generator=gen).tolist()
+    token_prompts = [prefix + torch.randint(3, 256, (3,), generator=gen).tolist() for _ in range(5)]
+    engine = Engine(runner_for(hf_llama, num_kv_blocks=20, block_size=4, num_swap_blocks=64),
+                    SchedulerConfig(num_kv_blocks=20, block_size=4, max_model_len=64, num_swap_blocks=64,
+                                    preemption_mode=mode, watermark=0.0))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    resident: list[int] = [0]  # prefix blocks swaps left on the device
+
+    def step() -> None:
+        for delta in engine.step():
+            out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        engine.scheduler.check_invariants()
+        assert_prefix_held_once(engine, len(prefix))
+        resident.extend(engine.scheduler.block_manager.swap_resident.values())
+
+    engine.add_request("r0", token_prompts[0], params)
+    step()  # r0's prefill registers the prefix (requests admitted in one step do not share)
+    for i, p in enumerate(token_prompts[1:], start=1):
+        engine.add_request(f"r{i}", p, params)
+    while engine.has_unfinished_requests():
+        step()
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    for i, p in enumerate(token_prompts):
+        assert out[f"r{i}"] == hf_greedy(hf_llama, p, NEW_TOKENS), f"r{i} diverged under {mode}"
+    assert engine.scheduler.num_preemptions_total > 0
+    assert max(resident) == (3 if mode == "swap" else 0)
+
+
 def test_speculative_rows_with_logprobs_and_logit_bias_match_plain_decoding(hf_llama) -> None:
     """Logit bias and logprobs are per position, so such rows draft too: the same tokens and, at every
     position of a verified run, the same logprobs as plain decoding."""

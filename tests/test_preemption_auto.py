@@ -122,7 +122,7 @@ def test_the_engine_feeds_the_measured_copy_time_to_the_prediction() -> None:
                                                             20, 0, engine.config.max_num_batched_tokens))
 
 
-def test_shared_prefix_blocks_are_not_priced_as_recomputed() -> None:
+def test_shared_prefix_blocks_are_priced_neither_as_recomputed_nor_as_copied() -> None:
     engine = make_engine(num_kv_blocks=16, max_model_len=32, max_num_seqs=3, watermark=0.0,
                          num_swap_blocks=16, preemption_mode="auto")
     engine.add_request("a", prompt(0, 12), params(10))
@@ -133,8 +133,10 @@ def test_shared_prefix_blocks_are_not_priced_as_recomputed() -> None:
     sched = engine.scheduler
     assert sched.block_manager.num_shared_prefix_blocks(sched.requests["b"]) == 3
     assert sched._predict_preemption(sched.requests["b"]) == (1.0, 0.1)
-    num_tokens, num_cached, _ = engine.calls[0]  # type: ignore[attr-defined]
+    num_tokens, num_cached, num_blocks = engine.calls[0]  # type: ignore[attr-defined]
     assert num_cached == 12 and num_tokens == sched.requests["b"].num_computed_tokens
+    # A swap leaves the shared blocks on the device: only b's own blocks are priced as copies.
+    assert num_blocks == len(sched.block_manager.block_tables["b"]) - 3
 
 
 def test_the_model_runner_times_its_swap_copies() -> None:

@@ -25,7 +25,7 @@ configs = st.fixed_dictionaries({
     "num_swap_blocks": st.integers(0, 24),
     "max_num_seqs": st.integers(1, 6),
     "max_num_batched_tokens": st.sampled_from([4, 8, 16, 64]),
-    "preemption_mode": st.sampled_from(["recompute", "swap"]),
+    "preemption_mode": st.sampled_from(["recompute", "swap", "auto"]),
     "batching": st.sampled_from(["continuous", "static"]),
     "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
     "enable_prefix_caching": st.booleans(),
@@ -93,6 +93,7 @@ def test_random_runs_keep_every_invariant(cfg: dict, script: list) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.block_manager.num_used_blocks == 0
     assert not engine.scheduler.block_manager.swap_tables
+    assert not engine.scheduler.block_manager.swap_resident
     for rid, (ids, max_tokens, n) in specs.items():
         seq_ids = [rid] if n == 1 else [f"{rid}#{i}" for i in range(n)]
         for seq_id in seq_ids:
