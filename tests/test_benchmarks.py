@@ -63,9 +63,21 @@ def test_generator_command_lines_parse() -> None:
 
 
 @pytest.mark.parametrize("module", ["benchmarks.claims", "benchmarks.peers", "benchmarks.spec_decode_ab",
-                                    "benchmarks.shared_cpu"])
+                                    "benchmarks.shared_cpu", "benchmarks.preemption"])
 def test_generator_help_runs_from_the_repo_root(module: str) -> None:
     done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
+
+
+def test_preemption_workloads_share_a_prefix_only_where_the_table_says() -> None:
+    from benchmarks.preemption import WORKLOADS, workload_requests
+
+    for name, (num, _, _, num_kv_blocks, prefix_len) in WORKLOADS.items():
+        prompts = [r.prompt_token_ids for r in workload_requests(name)]
+        assert len(prompts) == num and all(prompts)
+        num_common = next((i for i in range(min(map(len, prompts)))
+                           if len({p[i] for p in prompts}) > 1), None)
+        assert num_common == prefix_len, name  # the rest of each prompt is its own
+        assert num_kv_blocks * 16 >= max(map(len, prompts))  # one prompt fits the pool
