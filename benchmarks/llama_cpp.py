@@ -44,7 +44,26 @@ ROOT = Path(__file__).resolve().parent.parent
 DENSE = ("bf16", "f32")
 QUANTIZED = ("q8_0", "q4_0", "q4_k")
 SERVERS = ("llama-server", "cobatch")
-_READY_TIMEOUT_S = 600.0  # a 1.5B fp32 checkpoint takes a while to load and pack
+_READY_TIMEOUT_S = 600.0
+# llama.cpp's converter, run as its own script, except for one thing: it names a BPE pre-tokenizer by the
+# hash of its tokenizer's output, and under a Qwen2 config transformers loads the shapes' tokenizer (the
+# default model's, SmolLM2's) as Qwen2Tokenizer, whose hash it does not know. The tokenizer.json is
+# SmolLM2's, so its pre-tokenizer is "smollm".
+_CONVERT = """
+import runpy, sys
+llama_cpp = sys.argv.pop(1)
+sys.path.insert(0, llama_cpp)
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "smollm"
+base.TextModel.get_vocab_base_pre = pre
+sys.argv[0] = llama_cpp + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""  # a 1.5B fp32 checkpoint takes a while to load and pack
 
 
 def gguf_files(shape: str, formats: list[str], work_dir: Path, llama_cpp: Path) -> dict[str, Path]:
@@ -63,8 +82,7 @@ def gguf_files(shape: str, formats: list[str], work_dir: Path, llama_cpp: Path) 
 
 def _write_gguf(fmt: str, hf_dir: Path, path: Path, dense_bf16: Path, llama_cpp: Path) -> None:
     if fmt in DENSE:
-        cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", fmt,
-               "--outfile", str(path)]
+        cmd = [sys.executable, "-c", _CONVERT, str(llama_cpp), str(hf_dir), "--outtype", fmt, "--outfile", str(path)]
     else:
         if not dense_bf16.exists():
             _write_gguf("bf16", hf_dir, dense_bf16, dense_bf16, llama_cpp)
