@@ -6,8 +6,8 @@ weights' values. So this writes a folder that loads like the real thing: config.
 own (values from its published config.json), generation_config.json, safetensors with HF tensor names,
 and a tokenizer. The tokenizer is the default model's (SmolLM2's, 49152 tokens), the one available
 offline: a model whose vocabulary is larger (Qwen2.5, Llama 3.2) never sees the ids past it in a text
-prompt, and its outputs past it decode to nothing; a smaller one (TinyLlama, Llama 2: 32000) must be
-fed token ids below its vocabulary (the server answers 400 for the others).
+prompt, and its outputs past it decode to nothing; for a smaller one (TinyLlama, Llama 2: 32000) the
+tokenizer is cut to the model's vocabulary (its first tokens and the BPE merges that make them).
 
     .venv/bin/python -m benchmarks.shapes OUT_DIR --shape qwen2.5-0.5b [--layers 4] [--dtype bf16]
     .venv/bin/python -m benchmarks.shapes --list
@@ -147,7 +147,7 @@ def write_checkpoint(shape: ModelConfig, out_dir: str | Path, *, num_layers: int
         total = sum(math.prod(dims) for _, dims in tensor_shapes(shape)) * torch_dtype.itemsize
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    _write_tokenizer(out, tokenizer_dir)
+    _write_tokenizer(out, tokenizer_dir, shape.vocab_size)
     return out
 
 
@@ -173,13 +173,29 @@ def plan_shards(shape: ModelConfig, itemsize: int) -> list[list[tuple[str, tuple
     return shards
 
 
-def _write_tokenizer(out: Path, tokenizer_dir: str | Path | None) -> None:
+def _write_tokenizer(out: Path, tokenizer_dir: str | Path | None, vocab_size: int) -> None:
     if tokenizer_dir is not None:
         for file in _TOKENIZER_FILES:
             if (Path(tokenizer_dir) / file).exists():
                 shutil.copy(Path(tokenizer_dir) / file, out / file)
+    else:
+        save_default_tokenizer(out)
+    _cut_vocabulary(out / "tokenizer.json", vocab_size)
+
+
+def _cut_vocabulary(path: Path, vocab_size: int) -> None:
+    """Keep a BPE tokenizer's first `vocab_size` tokens and the merges that make them, so that every
+    id it emits is one the model has (llama.cpp's converter also refuses a larger tokenizer). A BPE
+    merge's result is numbered after the merges before it, so the cut keeps a prefix of the merges."""
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    if len(vocab) <= vocab_size:
         return
-    save_default_tokenizer(out)
+    data["model"]["vocab"] = {token: i for token, i in vocab.items() if i < vocab_size}
+    data["model"]["merges"] = [m for m in data["model"]["merges"]
+                               if vocab["".join(m if isinstance(m, list) else m.split(" "))] < vocab_size]
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < vocab_size]
+    path.write_text(json.dumps(data, ensure_ascii=False))
 
 
 def save_default_tokenizer(out: str | Path) -> Path:

@@ -63,7 +63,8 @@ def test_generator_command_lines_parse() -> None:
 
 
 @pytest.mark.parametrize("module", ["benchmarks.claims", "benchmarks.peers", "benchmarks.spec_decode_ab",
-                                    "benchmarks.shared_cpu", "benchmarks.preemption"])
+                                    "benchmarks.shared_cpu", "benchmarks.preemption",
+                                    "benchmarks.llama_cpp"])
 def test_generator_help_runs_from_the_repo_root(module: str) -> None:
     done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
@@ -81,3 +82,20 @@ def test_preemption_workloads_share_a_prefix_only_where_the_table_says() -> None
                            if len({p[i] for p in prompts}) > 1), None)
         assert num_common == prefix_len, name  # the rest of each prompt is its own
         assert num_kv_blocks * 16 >= max(map(len, prompts))  # one prompt fits the pool
+
+
+def test_a_shape_with_a_smaller_vocabulary_gets_the_tokenizer_cut_to_it(tmp_path: Path) -> None:
+    """TinyLlama / Llama 2 shapes (32000 ids) carry the default 49152-token tokenizer cut to their size."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.shapes import _cut_vocabulary, save_default_tokenizer
+
+    text = "Hello world, the quick brown fox jumps over the lazy dog 12345"
+    save_default_tokenizer(tmp_path)
+    full = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert max(full.encode(text).ids) >= 1000
+    _cut_vocabulary(tmp_path / "tokenizer.json", 1000)
+    cut = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    ids = cut.encode(text).ids
+    assert cut.get_vocab_size() == 1000 and max(ids) < 1000 and len(ids) > len(full.encode(text).ids)
+    assert cut.decode(ids) == text
