@@ -1,4 +1,6 @@
-"""Packed-weight bf16 GEMM (csrc/gemm_bf16.c via cobatch.kernels.linear) against F.linear and fp32."""
+"""Packed-weight bf16 GEMM (csrc/gemm_bf16.c via cobatch.kernels.linear) against F.linear and fp32, and what
+it shares with the fp32 one (tests/test_linear_f32.py has the rest of that): shapes, batch invariance,
+rows lookup, operand checks, in both dtypes."""
 
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ from cobatch.kernels.linear import (PackedGemm, can_pack, can_pack_gate_up, embe
 
 KERNEL = native_gemm()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no AVX512-BF16 or no compiler here")
+# the dense dtypes, each where its packed GEMM is built (fp32: AVX-512F)
+DENSE = [pytest.param(torch.bfloat16, marks=needs_kernel),
+         pytest.param(torch.float32, marks=pytest.mark.skipif(native_gemm(torch.float32) is None,
+                                                              reason="no AVX-512F or no compiler here"))]
 BF16_EPS = 2.0 ** -7  # bf16 spacing relative to a value's magnitude (at most)
 FP32_EPS = 2.0 ** -24
 
@@ -39,11 +45,12 @@ def no_kernel_call(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(PackedGemm, "__call__", boom)
 
 
-def _operands(m: int, n: int, k: int, bias: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _operands(m: int, n: int, k: int, bias: bool, seed: int,
+              dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).bfloat16()
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
     return x, w, b
 
 
@@ -78,8 +85,9 @@ def test_pack_layout_and_round_trip(n: int, columns: int) -> None:
 
 
 @pytest.mark.parametrize("shape,dtype,ok", [((32, 64), torch.bfloat16, True), ((40, 64), torch.bfloat16, False),
-                                            ((32, 63), torch.bfloat16, False), ((32, 64), torch.float32, False)])
+                                            ((32, 63), torch.bfloat16, False), ((32, 64), torch.float16, False)])
 def test_can_pack(shape: tuple[int, int], dtype: torch.dtype, ok: bool) -> None:
+    """bf16 here; fp32 weights: tests/test_linear_f32.py."""
     assert can_pack(torch.zeros(shape, dtype=dtype)) == (ok and KERNEL is not None)
 
 
@@ -99,9 +107,9 @@ def test_matches_reference(n: int, k: int, bias: bool, request: pytest.FixtureRe
         _check(_packed_linear(x, w, b), x, w, b)
 
 
-@needs_kernel
-def test_leading_dims_and_nonfinite(request: pytest.FixtureRequest) -> None:
-    x, w, b = _operands(6, 48, 64, True, seed=1)
+@pytest.mark.parametrize("dtype", DENSE)
+def test_leading_dims_and_nonfinite(dtype: torch.dtype, request: pytest.FixtureRequest) -> None:
+    x, w, b = _operands(6, 48, 64, True, seed=1, dtype=dtype)
     request.getfixturevalue("no_fallback")
     out = _packed_linear(x.view(2, 3, 64), w, b)
     assert out.shape == (2, 3, 48) and torch.equal(out.view(6, 48), _packed_linear(x, w, b))
@@ -129,31 +137,32 @@ def test_rounds_like_torch(request: pytest.FixtureRequest) -> None:
     assert (out[-2:] == 0).all()  # vdpbf16ps flushes denormals to zero (documented in the C file)
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DENSE)
 @pytest.mark.parametrize("n", [304, 288])  # single panels; blocks of 3 (prefetch from 16 rows, L2 then L1)
-def test_rows_do_not_depend_on_the_batch(n: int) -> None:
+def test_rows_do_not_depend_on_the_batch(n: int, dtype: torch.dtype) -> None:
     """Each output is one dot product in a fixed order, whatever M, the tiling or the thread count: a
     row's bits do not change with the batch it runs in (the engine's determinism relies on that)."""
-    x, w, b = _operands(600, n, 200, True, seed=2)
+    x, w, b = _operands(600, n, 200, True, seed=2, dtype=dtype)
     packed = pack_weight(w)
     full = linear(x, packed, b)
-    for m in (1, 3, 16, 17, 256, 300):
+    for m in (1, 3, 9, 16, 17, 24, 256, 300):
         assert torch.equal(linear(x[:m], packed, b), full[:m])
     assert torch.equal(linear(x[40:41], packed, b), full[40:41])
     assert torch.equal(linear(x[299:599], packed, b), full[299:599])
     threads = torch.get_num_threads()
     try:
-        for n in (1, 3):
+        for n in (1, 2, 3):
             torch.set_num_threads(n)
             assert torch.equal(linear(x, packed, b), full)
+            assert torch.equal(linear(x[:5], packed, b), full[:5])
     finally:
         torch.set_num_threads(threads)
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DENSE)
 @pytest.mark.parametrize("vocab", [64, 96])  # single panels, blocks of 3
-def test_embedding_reads_packed_rows(vocab: int) -> None:
-    _, w, _ = _operands(1, vocab, 24, False, seed=5)
+def test_embedding_reads_packed_rows(vocab: int, dtype: torch.dtype) -> None:
+    _, w, _ = _operands(1, vocab, 24, False, seed=5, dtype=dtype)
     ids = torch.tensor([[0, 17, 63], [5, 5, vocab - 1]])
     assert torch.equal(embedding(ids, pack_weight(w)), F.embedding(ids, w))
     assert torch.equal(embedding(ids, w), F.embedding(ids, w))
@@ -162,16 +171,17 @@ def test_embedding_reads_packed_rows(vocab: int) -> None:
             embedding(torch.tensor([0, bad]), pack_weight(w))
 
 
-@needs_kernel
-@pytest.mark.parametrize("case", ["fp32_input", "wrong_k", "fp32_bias"])
-def test_packed_rejects_bad_operands(case: str) -> None:
-    x, w, b = _operands(4, 48, 64, True, seed=3)
-    if case == "fp32_input":
-        x = x.float()
+@pytest.mark.parametrize("dtype", DENSE)
+@pytest.mark.parametrize("case", ["other_dtype_input", "wrong_k", "other_dtype_bias"])
+def test_packed_rejects_bad_operands(case: str, dtype: torch.dtype) -> None:
+    x, w, b = _operands(4, 48, 64, True, seed=3, dtype=dtype)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    if case == "other_dtype_input":
+        x = x.to(other)
     elif case == "wrong_k":
         x = x[:, :62]
     else:
-        b = b.float()
+        b = b.to(other)
     with pytest.raises(ValueError):
         _packed_linear(x, w, b)
 
@@ -189,7 +199,7 @@ def test_gate_up_layout_and_round_trip() -> None:
 
 @pytest.mark.parametrize("shape,dtype,ok", [((192, 64), torch.bfloat16, True), ((96, 64), torch.bfloat16, True),
                                             ((128, 64), torch.bfloat16, False), ((192, 63), torch.bfloat16, False),
-                                            ((192, 64), torch.float32, False)])
+                                            ((192, 64), torch.float16, False)])
 def test_can_pack_gate_up(shape: tuple[int, int], dtype: torch.dtype, ok: bool) -> None:
     """Whole 48-column blocks of gate and of up (2 x 64 columns are not), and the packed kernel's dtype."""
     assert can_pack_gate_up(torch.zeros(shape, dtype=dtype)) == (ok and KERNEL is not None)
@@ -233,15 +243,15 @@ def test_unpacked_weight_is_f_linear(dtype: torch.dtype, request: pytest.Fixture
 def test_no_kernel_means_no_packing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COBATCH_NO_NATIVE", "1")
     assert native_gemm.__wrapped__() is None  # what the loader returns with native code off
-    monkeypatch.setattr(linear_module, "native_gemm", lambda: None)
+    monkeypatch.setattr(linear_module, "native_gemm", lambda dtype=torch.bfloat16: None)
     assert not can_pack(torch.zeros(32, 64, dtype=torch.bfloat16))
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DENSE)
 @pytest.mark.parametrize("vocab_size", [256, 250])
-def test_model_packs_in_place_and_keeps_its_outputs(vocab_size: int) -> None:
+def test_model_packs_in_place_and_keeps_its_outputs(vocab_size: int, dtype: torch.dtype) -> None:
     """pack_linear_weights packs every projection and the tied lm_head + embeddings (one Parameter), and
-    the model computes the same function (within bf16 rounding of a different summation order). A vocab
+    the model computes the same function (within rounding of a different summation order). A vocab
     that is not a whole number of panels keeps its table unpacked (F.linear, F.embedding)."""
     from cobatch.models.llama import LlamaForCausalLM
     from cobatch.models.model_config import ModelConfig
@@ -251,29 +261,34 @@ def test_model_packs_in_place_and_keeps_its_outputs(vocab_size: int) -> None:
                                         "tie_word_embeddings": True, "max_position_embeddings": 64,
                                         "model_type": "llama"})
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config, torch.bfloat16)
+    model = LlamaForCausalLM(config, dtype)
     for p in model.parameters():
         p.data.normal_(std=0.2)
-    hidden = torch.randn(5, 64).bfloat16()
+    hidden = torch.randn(5, 64).to(dtype)
     before = model.compute_logits(hidden)
     ids = torch.tensor([3, 200])
     embeds = F.embedding(ids, model.embed_tokens)
     packs_table = vocab_size % 16 == 0
     assert model.pack_linear_weights() == 2 * 4 + packs_table
     assert model.lm_head is model.embed_tokens and is_packed(model.lm_head) == packs_table
-    assert all(is_packed(layer.down_proj) for layer in model.layers)
+    assert all(is_packed(layer.down_proj) and is_gate_up_packed(layer.gate_up_proj) for layer in model.layers)
     assert torch.equal(embedding(ids, model.embed_tokens), embeds)
     after = model.compute_logits(hidden)
-    assert torch.allclose(after, before, rtol=2 * BF16_EPS, atol=0.02)
+    rtol, atol = (2 * BF16_EPS, 0.02) if dtype == torch.bfloat16 else (1e-5, 1e-5)
+    assert torch.allclose(after, before, rtol=rtol, atol=atol)
     assert model.pack_linear_weights() == 0  # already packed: nothing to do
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-def test_stub_without_avx512_bf16(tmp_path: Path) -> None:
-    """Built for a CPU without AVX512-BF16 the library says so (and native_gemm() is then None)."""
-    source = Path(linear_module.__file__).parent / "csrc" / "gemm_bf16.c"
+@pytest.mark.parametrize("suffix", ["bf16", "f32"])
+def test_stub_without_avx512(tmp_path: Path, suffix: str) -> None:
+    """Built for a CPU without AVX-512 (x86-64-v3: no AVX512-BF16, no AVX-512F) each GEMM says so (and
+    native_gemm(dtype) is then None); its entry points return -1."""
+    source = Path(linear_module.__file__).parent / "csrc" / f"gemm_{suffix}.c"
     target = tmp_path / "gemm_stub.so"
     subprocess.run(["cc", "-O1", "-march=x86-64-v3", "-fopenmp", "-shared", "-fPIC", "-std=c11", str(source),
                     "-o", str(target)], check=True, capture_output=True, timeout=60)
     lib = ctypes.CDLL(str(target))
-    assert lib.gemm_bf16_available() == 0
+    assert getattr(lib, f"gemm_{suffix}_available")() == 0
+    args = (None, None, None, None, ctypes.c_int64(1), ctypes.c_int64(16), ctypes.c_int64(2), 1)
+    assert getattr(lib, f"gemm_{suffix}")(*args) == -1

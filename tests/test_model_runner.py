@@ -110,7 +110,9 @@ def test_last_timings_are_disjoint_parts_of_the_step(hf_model) -> None:
 
 
 def test_profile_step_splits_the_step_by_part(hf_model) -> None:
+    """The Python layer loop's labelled scopes (the C loop's profile: tests/test_native_decoder.py)."""
     runner = runner_for(hf_model)
+    runner.native_decoder = None
     seqs = [BlockAllocator(runner.block_size).seq("r0", PROMPTS[0], 20)]
     step(runner, [(seqs[0], None)])
     parts = runner.profile_step(SchedulerOutput((seqs[0].row(1),)))

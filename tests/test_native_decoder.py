@@ -21,7 +21,12 @@ from cobatch.runner.model_runner import ModelRunner, prepare_batch
 from cobatch.scheduler_output import SchedulerOutput
 from tests.runner_helpers import BlockAllocator, Seq, step, tiny_hf_model
 
-needs_kernels = pytest.mark.skipif(native_gemm() is None, reason="no AVX512-BF16 kernels here")
+# The dense dtypes whose packed GEMM is built here (bf16 needs AVX512-BF16, fp32 AVX-512F).
+DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(native_gemm(torch.bfloat16) is None,
+                                                                reason="no AVX512-BF16 kernels here")),
+          pytest.param(torch.float32, marks=pytest.mark.skipif(native_gemm(torch.float32) is None,
+                                                               reason="no AVX-512F kernels here"))]
+with_dense_kernels = pytest.mark.parametrize("dtype", DTYPES)
 
 
 def _runner(arch: str, dtype: torch.dtype = torch.bfloat16, **overrides: object) -> ModelRunner:
@@ -84,7 +89,7 @@ def test_quantized_weights_same_bits_as_the_python_layer_loop(arch: str, quantiz
     assert not torch.equal(cache, runner.kv_cache)
 
 
-@needs_kernels
+@with_dense_kernels
 @pytest.mark.parametrize("arch, overrides", [
     ("llama", {}),  # head_dim 16: the attention kernel's plain C path
     ("qwen2", {}),  # q/k/v biases
@@ -92,25 +97,25 @@ def test_quantized_weights_same_bits_as_the_python_layer_loop(arch: str, quantiz
     ("llama", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4}),  # hd 32, no GQA
     ("llama", {"intermediate_size": 96}),  # gate/up packed: SiLU-multiply fused into the GEMM
 ])
-def test_same_bits_as_the_python_layer_loop(arch: str, overrides: dict) -> None:
-    runner = _runner(arch, **overrides)
+def test_same_bits_as_the_python_layer_loop(arch: str, overrides: dict, dtype: torch.dtype) -> None:
+    runner = _runner(arch, dtype, **overrides)
     assert runner.native_decoder is not None
     out = _mixed_step(runner)
     hidden, cache = _forward(runner, out, native=True)
     ref_hidden, ref_cache = _forward(runner, out, native=False)
-    assert hidden.dtype == torch.bfloat16 and torch.isfinite(hidden).all()
+    assert hidden.dtype == dtype and torch.isfinite(hidden).all()
     assert torch.equal(hidden, ref_hidden)
     assert torch.equal(cache, ref_cache)  # the new tokens' K/V landed in the same slots
     assert not torch.equal(cache, runner.kv_cache)  # ... and there were some to write
 
 
-@needs_kernels
-def test_fused_gate_up_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+@with_dense_kernels
+def test_fused_gate_up_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     """An MLP whose gate/up weight is gate/up packed (its activation inside the GEMM) computes what the
     plain packed GEMM followed by silu_mul does, in both loops, bit for bit."""
-    fused = _runner("llama", intermediate_size=96)
+    fused = _runner("llama", dtype, intermediate_size=96)
     monkeypatch.setattr(llama_module, "can_pack_gate_up", lambda weight: False)
-    plain = _runner("llama", intermediate_size=96)
+    plain = _runner("llama", dtype, intermediate_size=96)
     assert is_gate_up_packed(fused.model.layers[0].gate_up_proj)
     assert is_packed(plain.model.layers[0].gate_up_proj)
     out = _mixed_step(fused)
@@ -121,11 +126,11 @@ def test_fused_gate_up_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> N
         assert torch.equal(hidden, ref_hidden) and torch.equal(cache, ref_cache)
 
 
-@needs_kernels
-def test_twin_with_kernel_timers_times_every_kernel_and_changes_no_bits() -> None:
+@with_dense_kernels
+def test_twin_with_kernel_timers_times_every_kernel_and_changes_no_bits(dtype: torch.dtype) -> None:
     """with_timers(): the library built with -DKERNEL_TIMERS sums each kernel's wall time and computes what
     the engine's build does; take_kernel_seconds zeroes the sums; the engine's build has no timers."""
-    runner = _runner("llama", intermediate_size=96)
+    runner = _runner("llama", dtype, intermediate_size=96)
     out = _mixed_step(runner)
     plain = runner.native_decoder
     timed = plain.with_timers()
@@ -143,11 +148,11 @@ def test_twin_with_kernel_timers_times_every_kernel_and_changes_no_bits() -> Non
     assert all(s == 0 for s in timed.take_kernel_seconds().values())
 
 
-@needs_kernels
-def test_profile_step_times_the_c_loop_kernels() -> None:
-    """A bf16 runner on the native loop profiles a step with its kernel timers: every part measured, the
+@with_dense_kernels
+def test_profile_step_times_the_c_loop_kernels(dtype: torch.dtype) -> None:
+    """A runner on the native loop profiles a step with its kernel timers: every part measured, the
     parts adding up to the step, and the engine's own decoder back in place."""
-    runner = _runner("llama", intermediate_size=96)
+    runner = _runner("llama", dtype, intermediate_size=96)
     decoder = runner.native_decoder
     out = _mixed_step(runner)
     start = time.perf_counter()
@@ -160,12 +165,12 @@ def test_profile_step_times_the_c_loop_kernels() -> None:
     assert runner.native_decoder is decoder and not decoder.take_kernel_seconds()
 
 
-@needs_kernels
-def test_last_layer_computes_only_the_sampled_rows() -> None:
+@with_dense_kernels
+def test_last_layer_computes_only_the_sampled_rows(dtype: torch.dtype) -> None:
     """The runner asks for the sampled rows only (3 of the step's 21 tokens: the chunk that does not end its
     prompt samples nothing); the native loop then skips the others in the last layer past its K/V write:
     the same values, in the rows' order, and the same cache."""
-    runner = _runner("llama")
+    runner = _runner("llama", dtype)
     out = _mixed_step(runner)
     hidden, cache = _forward(runner, out, native=True, sampled_only=True)
     full, ref_cache = _forward(runner, out, native=False)
@@ -175,12 +180,25 @@ def test_last_layer_computes_only_the_sampled_rows() -> None:
     assert torch.equal(cache, ref_cache)
 
 
-@needs_kernels
-def test_generation_is_the_same_with_and_without_it() -> None:
+@with_dense_kernels
+def test_step_that_samples_no_row_still_writes_its_kv(dtype: torch.dtype) -> None:
+    """A step of one prefill chunk that does not end its prompt keeps no row: the loop writes its K/V,
+    as the Python loop does, and returns no hidden states (an empty keep is not "keep every row")."""
+    runner = _runner("llama", dtype)
+    chunk = BlockAllocator(runner.block_size).seq("c", list(range(40, 71)), 64)
+    out = SchedulerOutput((chunk.row(10),))
+    hidden, cache = _forward(runner, out, native=True, sampled_only=True)
+    _, ref_cache = _forward(runner, out, native=False)
+    assert hidden.shape == (0, runner.model_config.hidden_size)
+    assert torch.equal(cache, ref_cache) and not torch.equal(cache, runner.kv_cache)
+
+
+@with_dense_kernels
+def test_generation_is_the_same_with_and_without_it(dtype: torch.dtype) -> None:
     """Whole steps through the runner, sampling included: decode after decode, same tokens."""
     outputs = []
     for native in (True, False):
-        runner = _runner("llama")
+        runner = _runner("llama", dtype)
         if not native:
             runner.native_decoder = None
         alloc = BlockAllocator(runner.block_size)
@@ -192,14 +210,13 @@ def test_generation_is_the_same_with_and_without_it() -> None:
     assert outputs[0] == outputs[1] and len(outputs[0][0]) == 7
 
 
-@pytest.mark.parametrize("case", ["fp32", "unpacked weight", "torch attention"])
+@pytest.mark.parametrize("case", ["unpacked fp32 weight", "unpacked bf16 weight", "torch attention"])
 def test_steps_aside_where_it_cannot_run(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp32 (F.linear weights), a projection the GEMM cannot pack (2 x 100 gate/up columns are not whole
-    16-column panels) and a runner without the native attention all run the Python loop, correctly."""
-    if case == "fp32":
-        runner = _runner("llama", torch.float32)
-    elif case == "unpacked weight":
-        runner = _runner("llama", intermediate_size=100)
+    """A projection the GEMM cannot pack (2 x 100 gate/up columns are not whole 16-column panels), in fp32
+    or bf16 (where bf16 has no GEMM, nothing is packed), and a runner without the native attention all run
+    the Python loop, correctly."""
+    if case.startswith("unpacked"):
+        runner = _runner("llama", torch.float32 if "fp32" in case else torch.bfloat16, intermediate_size=100)
     else:
         hf = tiny_hf_model("llama")
         config = ModelConfig.from_hf_config(hf.config.to_dict())

@@ -29,7 +29,7 @@ from cobatch.engine import Engine
 from cobatch.models.loader import load_model, load_model_config
 from cobatch.models.model_config import ModelConfig, RopeScaling
 from cobatch.runner.model_runner import ModelRunner
-from tests.test_native_decoder import _forward, _mixed_step, needs_kernels
+from tests.test_native_decoder import _forward, _mixed_step, with_dense_kernels
 
 NEW_TOKENS = 8
 PROMPT_LENGTHS = (3, 17, 40, 9)
@@ -213,13 +213,14 @@ def test_token_ids_past_the_vocabulary_are_refused_at_add(shape_case: Callable[[
     _check(case, case.llm.generate([good], GREEDY, use_tqdm=False), [0])
 
 
-@needs_kernels
+@with_dense_kernels
 @pytest.mark.parametrize("name", NAMES)
-def test_c_layer_loop_matches_the_python_loop(name: str, shape_case: Callable[[str], Case]) -> None:
-    """bf16 on the packed kernels: the C layer loop gives the Python loop's bits, or steps aside where a
-    weight cannot be packed (an intermediate size that is no multiple of 8)."""
+def test_c_layer_loop_matches_the_python_loop(name: str, shape_case: Callable[[str], Case],
+                                              dtype: torch.dtype) -> None:
+    """bf16 or fp32 on the packed kernels: the C layer loop gives the Python loop's bits, or steps aside
+    where a weight cannot be packed (an intermediate size that is no multiple of 8)."""
     case = shape_case(name)
-    model, config = load_model(case.path, torch.bfloat16)
+    model, config = load_model(case.path, dtype)
     runner = ModelRunner.from_model(model, config, 64, 4)
     if case.shape.intermediate_size % 8:
         assert runner.native_decoder is None

@@ -56,6 +56,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]),
     "silu_mul": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "silu_mul_rows_bf16": (None, [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
+    "silu_mul_rows_f32": (None, [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
     "rope_inplace": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT]),
     "argmax_rows": (None, [_PTR, _I64, _I64, _INT, _PTR, _PTR]),
     # gemm_bf16.c
@@ -63,6 +64,11 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "gemm_bf16": (_INT, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
     "gemm_bf16_silu": (_INT, [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
     "packed_rows_bf16": (_INT, [_PTR, _PTR, _I64, _I64, _I64, _PTR]),
+    # gemm_f32.c (the same arguments)
+    "gemm_f32_available": (_INT, []),
+    "gemm_f32": (_INT, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
+    "gemm_f32_silu": (_INT, [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
+    "packed_rows_f32": (_INT, [_PTR, _PTR, _I64, _I64, _I64, _PTR]),
     # paged_attention.c
     "paged_attention_f32": (_INT, _ATTENTION),
     "paged_attention_bf16": (_INT, _ATTENTION),

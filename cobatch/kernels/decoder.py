@@ -1,12 +1,12 @@
-"""All decoder layers of a step in one native call (csrc/decoder.c): bf16 models on packed or quantized
-weights, fp32 models on quantized ones.
+"""All decoder layers of a step in one native call (csrc/decoder.c): bf16 and fp32 models on weights packed
+for the dense GEMM of their dtype, or quantized ones.
 
 The C loop calls the same kernels as the model's layer-by-layer Python path (models/llama.py), in the same
 order, so both give the same bits (tests compare them); it only removes the per-layer Python and torch
 dispatch that dominated small decode steps. It knows no model class: the caller hands it the weights and
 shape (`DecoderWeights`; the runner builds them from the model it holds). `NativeDecoder.build` returns
-None where any piece is missing (fp32 dense weights, a bf16 weight left unpacked, no compiler,
-COBATCH_NO_NATIVE=1): the model then runs its Python loop.
+None where any piece is missing (a dense weight left unpacked, e.g. where the CPU lacks the GEMM of
+its dtype, no compiler, COBATCH_NO_NATIVE=1): the model then runs its Python loop.
 """
 
 from __future__ import annotations
@@ -73,14 +73,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-PACKED_BF16 = -1  # Layer's *_type of a weight packed for gemm_bf16 (else the quantized format's qtype)
+PACKED = -1  # Layer's *_type of a weight packed for the dense GEMM of its dtype (else the quantized qtype)
 
 
 def projection_type(weight: torch.Tensor) -> int | None:
-    """The C loop's type of a projection: PACKED_BF16, a quantized format's qtype, or None (neither)."""
+    """The C loop's type of a projection: PACKED, a quantized format's qtype, or None (neither)."""
     if is_quantized(weight):
         return quant_type(weight).qtype
-    return PACKED_BF16 if is_packed(weight) else None
+    return PACKED if is_packed(weight) else None
 
 
 def _is_fused(weights: DecoderWeights) -> bool:
@@ -88,17 +88,18 @@ def _is_fused(weights: DecoderWeights) -> bool:
 
 
 def can_run(weights: DecoderWeights) -> bool:
-    """Every projection packed or quantized (fp32: quantized; gate/up fused in all layers or none), and
-    every kernel it needs built here."""
+    """Every projection packed in the activations' dtype or quantized (gate/up fused in all layers or
+    none), and every kernel it needs built here."""
     dtype, fused = weights.final_norm.dtype, _is_fused(weights)
+    dense = [w for layer in weights.layers
+             for w in (layer.qkv, layer.o, layer.down, layer.gate_up) if not is_quantized(w)]
     types = [projection_type(w) for layer in weights.layers
              for w in (layer.qkv, layer.o, layer.down, *(() if fused else (layer.gate_up,)))]
-    packed = fused or PACKED_BF16 in types
-    if None in types or dtype not in (torch.bfloat16, torch.float32) or (dtype == torch.float32 and packed):
+    if None in types or dtype not in (torch.bfloat16, torch.float32) or any(w.dtype != dtype for w in dense):
         return False
     return (fused_ops().native and load_attention_kernel() is not None
-            and (not packed or native_gemm() is not None)
-            and (all(t == PACKED_BF16 for t in types) or native_quant_gemm() is not None))
+            and (not dense or native_gemm(dtype) is not None)
+            and (all(t == PACKED for t in types) or native_quant_gemm() is not None))
 
 
 class NativeDecoder:
@@ -113,7 +114,7 @@ class NativeDecoder:
         self._layers = (Layer * len(w.layers))(*(
             Layer(*(_ptr(t) for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.o_bias,
                                       layer.post_norm, layer.gate_up, layer.down)), None, None,
-                  *(PACKED_BF16 if fused_mlp and t is layer.gate_up else projection_type(t)
+                  *(PACKED if fused_mlp and t is layer.gate_up else projection_type(t)
                     for t in (layer.qkv, layer.o, layer.gate_up, layer.down)))
             for layer in w.layers))
         self._bound_caches: Sequence[KVCache] | None = None
@@ -164,6 +165,8 @@ class NativeDecoder:
         block_tables, tiles = meta.block_tables.contiguous(), meta.tiles.contiguous()
         slot_mapping = meta.slot_mapping.contiguous()
         kept = [keep.contiguous(), keep_tiles.contiguous()] if prune else [None, None]
+        if prune and num_keep == 0:  # an empty tensor's data_ptr() is 0, which C reads as "keep every row"
+            kept = [torch.zeros(1, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64)]
         step = Step(num_tokens, block_tables.shape[1], tiles.shape[0], num_keep, meta.num_own_writes,
                     positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), tiles.data_ptr(),
                     *(_ptr(t) for t in kept), w.rope_cos.data_ptr(), w.rope_sin.data_ptr())

@@ -1,24 +1,27 @@
-"""bf16 linear layers on packed weights (csrc/gemm_bf16.c), F.linear for everything else.
+"""bf16 and fp32 linear layers on packed weights (csrc/gemm_bf16.c, csrc/gemm_f32.c), F.linear for the rest.
 
-One native kernel serves every batch size: decode steps (M = 1..64 rows, each weight streamed from DRAM
-once) and prefill (thousands of rows, compute-bound). It needs the weight repacked once, at load time,
-into panels of 16 output columns whose K pairs interleave (the layout vdpbf16ps consumes; the C file
-explains it). scripts/linear_microbench.py measures it against oneDNN's F.linear (docs/BENCHMARKS.md).
+One native kernel per dtype serves every batch size: decode steps (M = 1..64 rows, each weight streamed
+from DRAM once) and prefill (thousands of rows, compute-bound). It needs the weight repacked once, at load
+time, into panels of 16 output columns, one 64-byte line per K step: a K pair in bf16 (the layout
+vdpbf16ps consumes), one K value in fp32 (vfmadd231ps against a broadcast x); the C files and their
+shared gemm_packed.h explain it. scripts/linear_microbench.py measures it against oneDNN's F.linear
+(docs/BENCHMARKS.md).
 
-`pack_weight` turns a [N, K] weight into the packed [N/16B, K/2, 16B, 2] tensor, B = 3 panels per block
-where N/16 allows it, else 1 (a plain permutation: same bytes, no copy kept; the C file explains why
-blocks of 3); `linear(x, weight, bias)` takes either layout: a packed weight goes to the
-kernel, a [N, K] one to F.linear. The MLP's fused gate/up weight can take a third layout,
-`pack_gate_up`'s [I/48, 2, K/2, 48, 2] (a gate block, then the same up block), which only
-`silu_mul_linear` reads: the kernel applies SiLU-multiply to each tile as it computes it, so the
-[M, 2I] gate/up output never goes through memory (the same bits as linear + silu_mul).
+`pack_weight` turns a [N, K] weight into the packed [N/16B, K/t, 16B, t] tensor, t = STEP[dtype] (bf16 2,
+fp32 1), B = 3 panels per block where N/16 allows it, else 1 (a plain permutation: same bytes, no copy
+kept; the C file explains why blocks of 3); `linear(x, weight, bias)` takes either layout: a packed
+weight goes to the kernel of its dtype, a [N, K] one to F.linear. The MLP's fused gate/up weight can
+take a third layout, `pack_gate_up`'s [I/48, 2, K/t, 48, t] (a gate block, then the same up block),
+which only `silu_mul_linear` reads: the kernel applies SiLU-multiply to each tile as it computes it, so
+the [M, 2I] gate/up output never goes through memory (the same bits as linear + silu_mul).
 `embedding` looks rows up in either layout (a tied lm_head is packed together with the embedding
-table). Weights are packed only where the kernel exists (AVX512-BF16, a compiler, COBATCH_NO_NATIVE
-unset), for bf16 CPU weights with N % 16 == 0 and K even.
+table). Weights are packed only where the kernel of their dtype exists (bf16: AVX512-BF16, fp32:
+AVX-512F; a compiler; COBATCH_NO_NATIVE unset), for CPU weights with N % 16 == 0 (and K even in bf16).
 
-Numerics: each output is one fp32 sum over K in a fixed order, rounded once to bf16 (as F.linear rounds;
-the kernel flushes denormal products to zero). The order depends on nothing but K: a row's bits do not
-depend on the other rows of its batch, the tiling or the thread count.
+Numerics: each output is one fp32 sum over K in a fixed order (bf16: rounded once to bf16, as F.linear
+rounds; that kernel flushes denormal products to zero). The order depends on nothing but K: a row's
+bits do not depend on the other rows of its batch, the tiling or the thread count. F.linear's own
+order differs (fp32: equal within summation error, not bit for bit).
 """
 
 from __future__ import annotations
@@ -33,21 +36,27 @@ from cobatch.kernels.bindings import load_kernels
 from cobatch.kernels.quant_linear import is_quantized, quantized_linear, quantized_rows
 
 PANEL = 16  # output columns per packed panel (one AVX-512 vector of fp32 results)
-BLOCK_PANELS = 3  # panels side by side in a packed block: the kernel's tile width (NZ in gemm_bf16.c)
+BLOCK_PANELS = 3  # panels side by side in a packed block: the kernel's tile width (NZ in gemm_packed.h)
+# K values one 64-byte panel line holds (the last dimension of the packed layout): a bf16 K pair for
+# vdpbf16ps, a single fp32 value for vfmadd231ps.
+STEP = {torch.bfloat16: 2, torch.float32: 1}
+_PREFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the C entry points' suffix
 
 
 class PackedGemm:
-    """y = x @ W.T + bias for contiguous CPU bf16 x [M, K] and a packed W (csrc/gemm_bf16.c)."""
+    """y = x @ W.T + bias for contiguous CPU x [M, K] and a packed W of the same dtype (bf16:
+    csrc/gemm_bf16.c, fp32: csrc/gemm_f32.c)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn, self._rows = lib.gemm_bf16, lib.packed_rows_bf16
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._fn, self._rows = getattr(lib, f"gemm_{_PREFIX[dtype]}"), getattr(lib, f"packed_rows_{_PREFIX[dtype]}")
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """[..., K] -> [..., N]."""
         out_features, in_features = packed_shape(packed)
-        _check_input(x, in_features)
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)):
-            raise ValueError(f"packed linear takes a bf16 bias [{out_features}]")
+        _check_input(x, in_features, self.dtype)
+        if bias is not None and (bias.dtype != self.dtype or bias.shape != (out_features,)):
+            raise ValueError(f"packed linear takes a {self.dtype} bias [{out_features}]")
         x = x.contiguous()
         bias = None if bias is None else bias.contiguous()  # kept alive across the call
         out = x.new_empty(*x.shape[:-1], out_features)
@@ -57,7 +66,7 @@ class PackedGemm:
         status = self._fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                           out.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
         if status != 0:
-            raise RuntimeError(f"gemm_bf16 failed with status {status}")
+            raise RuntimeError(f"packed GEMM ({self.dtype}) failed with status {status}")
         return out
 
     def rows(self, ids: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -72,16 +81,16 @@ class PackedGemm:
 
 
 class PackedGemmSilu:
-    """silu(x @ Wg.T) * (x @ Wu.T) for contiguous CPU bf16 x [M, K] and a pack_gate_up weight
-    (csrc/gemm_bf16.c, gemm_bf16_silu; the activation is fused_ops.c's silu_mul_rows_bf16)."""
+    """silu(x @ Wg.T) * (x @ Wu.T) for contiguous CPU x [M, K] and a pack_gate_up weight of the same dtype
+    (gemm_bf16_silu / gemm_f32_silu; the activation is fused_ops.c's silu_mul_rows_*)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.gemm_bf16_silu
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype, self._fn = dtype, getattr(lib, f"gemm_{_PREFIX[dtype]}_silu")
 
     def __call__(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """[..., K] -> [..., I]."""
         two_inter, in_features = packed_shape(gate_up)
-        _check_input(x, in_features)
+        _check_input(x, in_features, self.dtype)
         x = x.contiguous()
         out = x.new_empty(*x.shape[:-1], two_inter // 2)
         rows = x.numel() // in_features
@@ -90,37 +99,39 @@ class PackedGemmSilu:
         status = self._fn(x.data_ptr(), gate_up.data_ptr(), out.data_ptr(), rows, two_inter // 2, in_features,
                           torch.get_num_threads())
         if status != 0:
-            raise RuntimeError(f"gemm_bf16_silu failed with status {status}")
+            raise RuntimeError(f"packed gate/up GEMM ({self.dtype}) failed with status {status}")
         return out
 
 
-def _check_input(x: torch.Tensor, in_features: int) -> None:
-    if x.dtype != torch.bfloat16 or x.shape[-1] != in_features or not x.is_cpu:
-        raise ValueError(f"packed linear takes bf16 CPU input [..., {in_features}], got {x.dtype} "
+def _check_input(x: torch.Tensor, in_features: int, dtype: torch.dtype) -> None:
+    if x.dtype != dtype or x.shape[-1] != in_features or not x.is_cpu:
+        raise ValueError(f"packed linear takes {dtype} CPU input [..., {in_features}], got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
 
 
-@lru_cache(maxsize=1)
-def native_gemm() -> PackedGemm | None:
-    """The kernel, built on first use; None when native code is off, the build fails or the CPU lacks
-    AVX512-BF16 (the C file then builds a stub that says so)."""
+@lru_cache(maxsize=2)
+def native_gemm(dtype: torch.dtype = torch.bfloat16) -> PackedGemm | None:
+    """The kernel of `dtype` (bf16 or fp32), built on first use; None when native code is off, the build
+    fails or the CPU lacks what it needs (bf16: AVX512-BF16, fp32: AVX-512F; the C file then builds a
+    stub that says so)."""
     lib = load_kernels()
-    if lib is None or not lib.gemm_bf16_available():
+    if dtype not in _PREFIX or lib is None or not getattr(lib, f"gemm_{_PREFIX[dtype]}_available")():
         return None
-    return PackedGemm(lib)
+    return PackedGemm(lib, dtype)
 
 
-@lru_cache(maxsize=1)
-def native_gemm_silu() -> PackedGemmSilu | None:
-    """The fused gate/up + SiLU-multiply kernel, where the GEMM is (the same library holds both)."""
+@lru_cache(maxsize=2)
+def native_gemm_silu(dtype: torch.dtype = torch.bfloat16) -> PackedGemmSilu | None:
+    """The fused gate/up + SiLU-multiply kernel, where the GEMM of `dtype` is (the same library holds both)."""
     lib = load_kernels()
-    return None if native_gemm() is None or lib is None else PackedGemmSilu(lib)
+    return None if native_gemm(dtype) is None or lib is None else PackedGemmSilu(lib, dtype)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `weight` [N, K] can take the packed layout and the kernel is here to use it."""
-    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.is_cpu
-            and weight.shape[0] % PANEL == 0 and weight.shape[1] % 2 == 0 and native_gemm() is not None)
+    """Whether `weight` [N, K] (bf16 or fp32) can take the packed layout and the kernel of its dtype is here
+    to use it."""
+    return (weight.dim() == 2 and weight.dtype in STEP and weight.is_cpu and weight.shape[0] % PANEL == 0
+            and weight.shape[1] % STEP[weight.dtype] == 0 and native_gemm(weight.dtype) is not None)
 
 
 def block_columns(out_features: int) -> int:
@@ -130,27 +141,29 @@ def block_columns(out_features: int) -> int:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> packed [N/C, K/2, C, 2], C = block_columns(N): packed[b, kk, c, t] = weight[C b + c, 2 kk + t]."""
+    """[N, K] -> packed [N/C, K/t, C, t], C = block_columns(N), t = STEP[dtype] (bf16 2, fp32 1):
+    packed[b, s, c, i] = weight[C b + c, t s + i]."""
     n, k = weight.shape
-    c = block_columns(n)
-    return weight.view(n // c, c, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    c, t = block_columns(n), STEP[weight.dtype]
+    return weight.view(n // c, c, k // t, t).permute(0, 2, 1, 3).contiguous()
 
 
 def can_pack_gate_up(weight: torch.Tensor) -> bool:
     """Whether a [2I, K] gate/up weight can take pack_gate_up's layout (I a multiple of 48) and the fused
     kernel is here to read it."""
     return (can_pack(weight) and weight.shape[0] % (2 * PANEL * BLOCK_PANELS) == 0
-            and native_gemm_silu() is not None)
+            and native_gemm_silu(weight.dtype) is not None)
 
 
 def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
-    """[2I, K] (gate rows, then up rows) -> [I/C, 2, K/2, C, 2], C = 48: gate block j packed as pack_weight
+    """[2I, K] (gate rows, then up rows) -> [I/C, 2, K/t, C, t], C = 48: gate block j packed as pack_weight
     packs it, then up block j. The bytes are those of pack_weight applied to the rows reordered so; the
     kernel (gemm_bf16_silu) reads gate and up block j together."""
     n, k = weight.shape
     c = PANEL * BLOCK_PANELS
     blocks = weight.view(2, n // 2 // c, c, k).transpose(0, 1).reshape(n, k)  # gate 0, up 0, gate 1, ...
-    return pack_weight(blocks).view(n // 2 // c, 2, k // 2, c, 2)
+    t = STEP[weight.dtype]
+    return pack_weight(blocks).view(n // 2 // c, 2, k // t, c, t)
 
 
 def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
@@ -175,8 +188,8 @@ def is_gate_up_packed(weight: torch.Tensor) -> bool:
 def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
     """(N, K) of the weight a packed (or gate/up packed) tensor holds."""
     if is_gate_up_packed(packed):
-        return packed.shape[0] * 2 * packed.shape[3], packed.shape[2] * 2
-    return packed.shape[0] * packed.shape[2], packed.shape[1] * 2
+        return packed.shape[0] * 2 * packed.shape[3], packed.shape[2] * packed.shape[4]
+    return packed.shape[0] * packed.shape[2], packed.shape[1] * packed.shape[3]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,7 +197,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if is_quantized(weight):
         return quantized_linear(x, weight, bias)
     if is_packed(weight):
-        kernel = native_gemm()
+        kernel = native_gemm(weight.dtype)
         assert kernel is not None, "packed weights exist only where the kernel does"
         return kernel(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -192,7 +205,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def silu_mul_linear(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of x's projection by a pack_gate_up weight: [..., K] -> [..., I]."""
-    kernel = native_gemm_silu()
+    kernel = native_gemm_silu(gate_up.dtype)
     assert kernel is not None and is_gate_up_packed(gate_up), "gate/up packing exists only where the kernel does"
     return kernel(x, gate_up)
 
@@ -204,6 +217,6 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torc
         return quantized_rows(ids, weight, dtype)
     if not is_packed(weight):
         return F.embedding(ids, weight)
-    kernel = native_gemm()
+    kernel = native_gemm(weight.dtype)
     assert kernel is not None, "packed weights exist only where the kernel does"
     return kernel.rows(ids, weight)

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2) over a flat ragged batch.
 
 gpt-fast style: explicit arguments, no HF plumbing. Q/K/V and gate/up projections are fused at load time
-(one matmul each); in bf16 on CPU `pack_linear_weights` repacks them for the native GEMM
+(one matmul each); in bf16 or fp32 on CPU `pack_linear_weights` repacks them for the native GEMM
 (kernels/linear.py); the residual add + RMSNorm, RoPE and SiLU-multiply are fused native ops
 (kernels/fused_ops.py). `forward` runs the whole step's tokens `[T]` through the layers (or through the
 caller's `layer_loop`: the runner passes the C one) and the final norm of the rows that sample;

@@ -1,5 +1,5 @@
 """The runner's pick of the layer loop: the C one (kernels/decoder.py) over the model's own weights where it
-can run them (bf16 weights packed for the native GEMM, or quantized ones in fp32 or bf16; every kernel
+can run them (bf16 or fp32 weights packed for the native GEMM, or quantized ones; every kernel
 built), else None: the model's Python loop."""
 
 from __future__ import annotations

@@ -45,10 +45,10 @@ class ModelRunner:
                  seed: int = 0, native_attention: bool = True,
                  thread_governor: ThreadGovernor | None = None) -> None:
         param = model.norm  # the model's dtype (a quantized embedding table is uint8 blocks)
-        if param.dtype == torch.bfloat16 and param.device.type == "cpu" and model.pack_linear_weights():
+        if param.device.type == "cpu" and model.pack_linear_weights():  # bf16 and fp32 (kernels/linear.py)
             release_freed_heap()  # the unpacked copies (the native GEMM's layout: kernels/linear.py)
         self.model, self.model_config = model, model_config
-        # The layer loop in C where it can run (bf16 on packed weights); profiled steps keep the Python loop.
+        # The layer loop in C where it can run (packed or quantized weights); profiled steps keep the Python loop.
         self.native_decoder: NativeDecoder | None = native_layer_loop(model)
         self.dtype, self.device = param.dtype, param.device
         self.block_size = block_size

@@ -49,6 +49,9 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int i
 /* silu_mul's arithmetic on bf16 slices with their own row strides, serial (gemm_bf16_silu's epilogue). */
 void silu_mul_rows_bf16(const void *gate, const void *up, void *out, int64_t rows, int64_t width,
                         int64_t in_stride, int64_t out_stride);
+/* The same on fp32 slices (gemm_f32_silu's epilogue). */
+void silu_mul_rows_f32(const void *gate, const void *up, void *out, int64_t rows, int64_t width,
+                       int64_t in_stride, int64_t out_stride);
 /* Rotate-half RoPE in place on the first num_heads heads of each row of x; tables [max_pos, head_dim / 2]. */
 void rope_inplace(void *x, const void *cos_table, const void *sin_table, const int64_t *positions, int64_t rows,
                   int64_t row_stride, int64_t num_heads, int64_t head_dim, int is_bf16);
@@ -67,6 +70,19 @@ int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t 
                    int num_threads);
 /* Rows ids [n] of the [N, K] weight a packed tensor holds, into out [n, K] (an embedding lookup). */
 int packed_rows_bf16(const void *wp, const int64_t *ids, int64_t n, int64_t N, int64_t K, void *out);
+
+/* -------------------------------------------------------- gemm_f32.c: fp32 GEMM on packed weights */
+
+/* 1 when built with AVX-512F (else the GEMM entry points are stubs that return -1). */
+int gemm_f32_available(void);
+/* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL), all fp32, W packed (layout: gemm_f32.c). */
+int gemm_f32(const void *x, const void *wp, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
+             int num_threads);
+/* act [M, inter] = silu(x Wg^T) * (x Wu^T), gate/up packed together (pack_gate_up). */
+int gemm_f32_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K,
+                  int num_threads);
+/* Rows ids [n] of the [N, K] weight a packed fp32 tensor holds, into out [n, K] (an embedding lookup). */
+int packed_rows_f32(const void *wp, const int64_t *ids, int64_t n, int64_t N, int64_t K, void *out);
 
 /* --------------------------------------------- paged_attention.c: attention over the paged KV cache */
 
@@ -95,13 +111,14 @@ void paged_write_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v,
 /* ------------------------------------------------------ decoder.c: all layers of a step in one call */
 
 /* Model shape; activations, norms, biases and KV bf16 (is_bf16) or fp32; gate/up packed for
- * gemm_bf16_silu when fused_mlp. */
+ * gemm_bf16_silu / gemm_f32_silu when fused_mlp. */
 typedef struct {
     int64_t hidden, inter, num_heads, num_kv_heads, head_dim, block_size, fused_mlp, is_bf16;
     float eps, scale;
 } Shape;
 
-/* Each projection packed for gemm_bf16 (its *_type -1, bf16 only) or quantized for gemm_quant (QUANT_*). */
+/* Each projection packed for the activations' dense GEMM (its *_type -1: gemm_bf16 or gemm_f32) or
+ * quantized for gemm_quant (QUANT_*). */
 typedef struct {
     const void *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down; /* biases may be NULL */
     void *k_cache, *v_cache; /* [blocks, block_size, kv heads, head_dim], laid out as the kernel reads */

@@ -1,15 +1,16 @@
 /* The decoder layers of one step in one native call: the same kernels, in the same order, with the same
- * arguments as models/llama.py's layer-by-layer path (which stays: dense fp32, the profiler's labelled
- * parts, other devices), so the two give the same bits. Activations bf16 on packed bf16 or quantized
- * projections, or fp32 on quantized ones (gemm_quant.c; Layer's *_type says which GEMM each takes).
+ * arguments as models/llama.py's layer-by-layer path (which stays: unpacked weights, the profiler's labelled
+ * parts, other devices), so the two give the same bits. Activations bf16 or fp32, on projections packed
+ * in the same dtype (gemm_bf16.c, gemm_f32.c) or quantized (gemm_quant.c); Layer's *_type says which.
  *
  * Why: a decode step's kernels are small: at batch 1 the layer loop made ~15 Python/torch calls per layer
  * (wrappers, views, output allocations, the K/V index copies), ~3-4 ms per step against ~8 ms of weight
  * streaming (measured: B=1 10.8 -> 8.1 ms). Here the loop is C; the activations live in buffers the caller
  * keeps across steps.
  *
- * The kernels are the library's own (gemm_bf16.c, gemm_quant.c, fused_ops.c, paged_attention.c), called through
- * cobatch_kernels.h, which also declares the structs below (Shape, Layer, Step, Buffers).
+ * The kernels are the library's own (gemm_bf16.c, gemm_f32.c, gemm_quant.c, fused_ops.c,
+ * paged_attention.c), called through cobatch_kernels.h, which also declares the structs below (Shape,
+ * Layer, Step, Buffers).
  *
  * Per layer, with x the previous layer's MLP output and residual the running sum (layer 0: residual holds
  * the embeddings and there is no x):
@@ -17,7 +18,7 @@
  *   K/V of the new tokens -> cache slots                 attn = paged_attention(q; cache)
  *   x = attn @ Wo (+ b)                                  h = add_rms_norm(x, residual += x, post_norm)
  *   gate_up = h @ Wgu                                    act = silu(gate) * up        x = act @ Wdown
- * (with a gate/up-packed Wgu, fused_mlp: act straight from h in one kernel, gemm_bf16_silu, same bits).
+ * (with a gate/up-packed Wgu, fused_mlp: act straight from h in one kernel, gemm_*_silu, same bits).
  * After the last layer: residual += x and the final norm, one fused op, into `out` (the model's final hidden
  * states, which lm_head reads): in C, right after the loop, rather than as a torch op after the call, where
  * every small op ran with cold caches (~0.1 ms a decode step).
@@ -50,11 +51,13 @@ static void gather_rows(void *dst, const void *src, const int64_t *rows, int64_t
         memcpy((char *)dst + esize * i * width, (const char *)src + esize * rows[i] * width, esize * width);
 }
 
-/* y = x W^T (+ bias): W packed for gemm_bf16 (qtype < 0) or quantized (gemm_quant, fp32 or bf16 x). */
+/* y = x W^T (+ bias): W packed for the activations' dense GEMM (qtype < 0: gemm_bf16 or gemm_f32) or
+ * quantized (gemm_quant, fp32 or bf16 x). */
 static int linear(const Shape *s, int64_t qtype, const void *x, const void *w, const void *bias, void *y,
                   int64_t M, int64_t N, int64_t K, int threads) {
     if (qtype >= 0) return gemm_quant(x, w, (int)qtype, bias, y, M, N, K, (int)s->is_bf16, threads);
-    return gemm_bf16(x, w, bias, y, M, N, K, threads);
+    if (s->is_bf16) return gemm_bf16(x, w, bias, y, M, N, K, threads);
+    return gemm_f32(x, w, bias, y, M, N, K, threads);
 }
 
 /* The new tokens' K/V into the cache, in the activations' dtype. */
@@ -114,7 +117,9 @@ static int layer_forward(const Shape *s, const Layer *l, const Step *st, const B
     add_rms_norm(b->x, residual, l->post_norm, b->h, T, H, s->eps, bf16);
     TIMER(6);
     if (s->fused_mlp) {
-        if ((status = gemm_bf16_silu(b->h, l->gate_up, b->act, T, s->inter, H, threads))) return status;
+        status = bf16 ? gemm_bf16_silu(b->h, l->gate_up, b->act, T, s->inter, H, threads)
+                      : gemm_f32_silu(b->h, l->gate_up, b->act, T, s->inter, H, threads);
+        if (status) return status;
     } else {
         status = linear(s, l->gate_up_type, b->h, l->gate_up, NULL, b->gate_up, T, 2 * s->inter, H, threads);
         if (status) return status;

@@ -200,13 +200,15 @@ void add_rms_norm(const void *x, void *residual, const void *weight, void *out, 
     FOR_EACH_DTYPE(rows, rows * hidden, NORM_ROW);
 }
 
+/* dtype(silu(g)): a NaN gate stays NaN. */
+static inline float silu_of(float g, int is_bf16) { return round_to(g / (1.0f + exp_vec(-g)), is_bf16); }
+
 /* Row r of gate_up [rows, 2 * inter] (gate | up) -> out [rows, inter] = dtype(silu(gate)) * up. */
 SPECIALISE void silu_mul_row(const void *restrict gate_up, void *restrict out, int64_t r, int64_t inter,
                              int is_bf16) {
     int64_t in_base = r * 2 * inter, out_base = r * inter;
     for (int64_t i = 0; i < inter; i++) {
-        float g = load(gate_up, in_base + i, is_bf16);
-        float silu = round_to(g / (1.0f + exp_vec(-g)), is_bf16);  /* NaN gate stays NaN */
+        float silu = silu_of(load(gate_up, in_base + i, is_bf16), is_bf16);
         store(out, out_base + i, silu * load(gate_up, in_base + inter + i, is_bf16), is_bf16);
     }
 }
@@ -236,11 +238,18 @@ void silu_mul_rows_bf16(const void *gate, const void *up, void *out, int64_t row
 #if HAVE_AVX512_BF16_ROWS
         silu_mul_row_avx512(g, u, o, width);
 #else
-        for (int64_t i = 0; i < width; i++) {
-            float gi = bf16_to_f32(g[i]), silu = round_to(gi / (1.0f + exp_vec(-gi)), 1);
-            o[i] = f32_to_bf16(silu * bf16_to_f32(u[i]));
-        }
+        for (int64_t i = 0; i < width; i++) o[i] = f32_to_bf16(silu_of(bf16_to_f32(g[i]), 1) * bf16_to_f32(u[i]));
 #endif
+    }
+}
+
+/* The same for fp32 rows (gemm_f32.c's gate/up epilogue): silu_mul's fp32 arithmetic, so the same bits. */
+void silu_mul_rows_f32(const void *gate, const void *up, void *out, int64_t rows, int64_t width,
+                       int64_t in_stride, int64_t out_stride) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = (const float *)gate + r * in_stride, *u = (const float *)up + r * in_stride;
+        float *o = (float *)out + r * out_stride;
+        for (int64_t i = 0; i < width; i++) o[i] = silu_of(g[i], 0) * u[i];
     }
 }
 

@@ -1,0 +1,113 @@
+/* fp32 GEMM on a packed weight: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), all fp32.
+ *
+ * Why: on a CPU without AVX512-BF16 the models run in fp32, and there oneDNN's F.linear streams the
+ * weights at only ~2 GB/s at M = 4..16 rows (a decode batch), a third of the bandwidth roofline; and an
+ * fp32 model without packed weights could not run the C layer loop (decoder.c). The weight is repacked
+ * once at load time (kernels/linear.py, pack_weight) into blocks of B panels of 16 output columns:
+ *
+ *     packed[b][k][c] = W[16 B b + c][k]    (b < N/16B, k < K, c < 16 B)
+ *
+ * so one 64-byte line holds one K value of 16 outputs, the operand of vfmadd231ps against a broadcast
+ * x value. B = NZ (3) where the panel count allows it, else 1 (block_panels), as for bf16: a panel group
+ * is then one sequential stream. The frame (tiles of MR x NZ = 8 x 3 accumulators, tasks and their
+ * split over threads, the prefetch of the next group, the fused SiLU gate/up variant, the rows lookup) is
+ * gemm_packed.h's, shared with gemm_bf16.c; this file brings the micro-tile.
+ *
+ * Numerics: each output is one fp32 sum over k = 0, 1, .., K - 1 in that order (one fused multiply-add
+ * per k into one accumulator, from 0), then + bias: the order depends on nothing but K, so a row's bits
+ * do not depend on M, the tiling, the thread count or the other rows of its batch. Denormals are kept
+ * (no FTZ/DAZ). F.linear sums in another order: equal to it within fp32 summation error, not bit for bit.
+ * Built by kernels/build.py (-march=native; without AVX-512F a stub reports itself unavailable and
+ * linear.py keeps F.linear).
+ */
+#include "cobatch_kernels.h"
+
+#if defined(__AVX512F__)
+#include "gemm_packed.h"
+
+#ifndef KC_MAX
+#define KC_MAX 1024 /* K values per block at most (gemm_packed.h, k_block; docs/BENCHMARKS.md) */
+#endif
+
+/* y[0..mr, 0..16 nz) (+)= x[0..mr, 0..kc) . panels wp[0..nz) (+ bias); x's rows ldx apart, y's ldy;
+ * accumulate: continue the partial sums y holds (a K block after the first: the same sum, stored and
+ * reloaded exactly). */
+INLINE void tile(const float *x, int64_t ldx, int64_t kc, const float *wp, Strides st, const float *bias,
+                 float *y, int64_t ldy, int mr, int nz, Prefetch pf, int accumulate) {
+    __m512 acc[(MR + 1) * NZ];  /* up to MR + 1 rows: see gemm_packed.h, group_rows */
+#pragma GCC unroll 9
+    for (int m = 0; m < mr; m++)
+#pragma GCC unroll 3
+        for (int z = 0; z < nz; z++)
+            acc[m * NZ + z] = accumulate ? _mm512_loadu_ps(y + m * ldy + z * NR) : _mm512_setzero_ps();
+    int64_t countdown = pf.next != NULL ? pf.phase : kc;
+    for (int64_t k = 0; k < kc; k++) {
+        __m512 w[NZ];
+#pragma GCC unroll 3
+        for (int z = 0; z < nz; z++) w[z] = _mm512_loadu_ps(wp + z * st.zstride + k * st.kstride);
+        prefetch_step(&pf, &countdown, st, k, nz, 4);
+#pragma GCC unroll 9
+        for (int m = 0; m < mr; m++) {
+            __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+#pragma GCC unroll 3
+            for (int z = 0; z < nz; z++) acc[m * NZ + z] = _mm512_fmadd_ps(xb, w[z], acc[m * NZ + z]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int z = 0; z < nz; z++) {
+        __m512 b = bias != NULL ? _mm512_loadu_ps(bias + z * NR) : _mm512_setzero_ps();
+#pragma GCC unroll 9
+        for (int m = 0; m < mr; m++) _mm512_storeu_ps(y + m * ldy + z * NR, _mm512_add_ps(acc[m * NZ + z], b));
+    }
+}
+
+DEFINE_TILE_ANY(tile_any, tile)
+
+static const PackedKernel F32 = {4, 1, KC_MAX, tile_any, silu_mul_rows_f32};
+
+int gemm_f32_available(void) { return 1; }
+
+/* x [M, K], packed weight (layout above; N % 16 == 0), bias [N] or NULL, y [M, N]: contiguous fp32.
+ * num_threads <= 0: the OpenMP default. Returns 0, or -2 on a bad shape. */
+int gemm_f32(const void *x, const void *wp, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
+             int num_threads) {
+    if (N % NR != 0 || K <= 0 || M <= 0) return -2;
+    GemmArgs a = {&F32, x, wp, bias, y, M, N, K, 0, 0};
+    run_gemm(&a, num_threads);
+    return 0;
+}
+
+/* act [M, inter] = silu(x Wg^T) * (x Wu^T) on a pack_gate_up weight (gemm_packed.h, run_gemm_silu): the
+ * same bits as gemm_f32 then silu_mul. Returns 0, or -2 on a bad shape. */
+int gemm_f32_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K, int num_threads) {
+    if (inter % (NZ * NR) != 0 || K <= 0 || M <= 0) return -2;
+    GemmArgs a = {&F32, x, wp, NULL, act, M, 2 * inter, K, 0, 0};
+    run_gemm_silu(&a, num_threads);
+    return 0;
+}
+
+/* Rows ids[0..n) of the weight a packed [N, K] tensor holds, into out [n, K] (gemm_packed.h, packed_rows:
+ * each row is K values 64 bytes apart). Returns 0, or -2 on an id outside [0, N). */
+int packed_rows_f32(const void *wp, const int64_t *ids, int64_t n, int64_t N, int64_t K, void *out) {
+    return packed_rows(wp, ids, n, N, K, out);
+}
+
+#else /* no AVX-512F here: linear.py keeps the stored layout and F.linear */
+
+int gemm_f32_available(void) { return 0; }
+
+int gemm_f32(const void *x, const void *wp, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
+             int num_threads) {
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+    return -1;
+}
+
+int gemm_f32_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K, int num_threads) {
+    return gemm_f32(x, wp, NULL, act, M, 2 * inter, K, num_threads);
+}
+
+int packed_rows_f32(const void *wp, const int64_t *ids, int64_t n, int64_t N, int64_t K, void *out) {
+    return gemm_f32(wp, ids, NULL, out, n, N, K, 0);
+}
+
+#endif
