@@ -1,17 +1,22 @@
 """The C layer loop against the Python one on the same model, alternating in one process: decode step ms.
 
     .venv/bin/python scripts/layer_loop_ab.py MODEL [--batch-sizes 1,16] [--context 64] [--rounds 3]
+    .venv/bin/python scripts/layer_loop_ab.py MODEL --unpacked   # against F.linear on unpacked weights
 
 Each round times `bench steps`' decode step (best of 5) with `ModelRunner.native_decoder` on, then off;
-the best of the rounds is printed per batch size (docs/BENCHMARKS.md, Quantized weights). One thread
-unless --num-threads says otherwise.
+the best of the rounds is printed per batch size (docs/BENCHMARKS.md, Quantized weights). With
+--unpacked the Python loop runs on a second runner whose weights were never packed (F.linear, as before
+the fp32 GEMM: docs/BENCHMARKS.md, Native linear kernels). One thread unless --num-threads says otherwise.
 """
 from __future__ import annotations
 
 import argparse
 
+from unittest import mock
+
 from cobatch.bench.steps import decode_step, time_step
 from cobatch.config import EngineConfig
+from cobatch.models.llama import LlamaForCausalLM
 from cobatch.runner.model_runner import ModelRunner
 
 
@@ -22,20 +27,28 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--unpacked", action="store_true", help="the Python loop on never-packed weights")
     args = parser.parse_args()
-    runner = ModelRunner.load(EngineConfig(model=args.model, num_kv_blocks=256, max_model_len=1024,
-                                           num_threads=args.num_threads, thread_policy="fixed"))
+    config = EngineConfig(model=args.model, num_kv_blocks=256, max_model_len=1024, num_threads=args.num_threads,
+                          thread_policy="fixed")
+    runner = ModelRunner.load(config)
     native = runner.native_decoder
     if native is None:
-        raise SystemExit("the C layer loop cannot run this model here (dense fp32, or no kernels)")
+        raise SystemExit("the C layer loop cannot run this model here (unpacked weights, or no kernels)")
+    python_runner = runner
+    if args.unpacked:
+        with mock.patch.object(LlamaForCausalLM, "pack_linear_weights", return_value=0):
+            python_runner = ModelRunner.load(config)
     for batch_size in map(int, args.batch_sizes.split(",")):
         step = decode_step(batch_size, args.context, runner.block_size, runner.num_kv_blocks)
         best = {"C": float("inf"), "Python": float("inf")}
         for _ in range(args.rounds):
             for name in best:
                 runner.native_decoder = native if name == "C" else None
-                best[name] = min(best[name], time_step(runner, step, 5))
-        print(f"B={batch_size}: C loop {best['C'] * 1e3:.1f} ms, Python loop {best['Python'] * 1e3:.1f} ms, "
+                timed = runner if name == "C" else python_runner
+                best[name] = min(best[name], time_step(timed, step, 5))
+        python = "Python loop on unpacked weights" if args.unpacked else "Python loop"
+        print(f"B={batch_size}: C loop {best['C'] * 1e3:.1f} ms, {python} {best['Python'] * 1e3:.1f} ms, "
               f"{best['Python'] / best['C']:.2f}x")
 
 

@@ -191,9 +191,9 @@ def test_gate_up_layout_and_round_trip() -> None:
     inter, k = 96, 10
     w = torch.arange(2 * inter * k, dtype=torch.float32).view(2 * inter, k).bfloat16()
     packed = pack_gate_up(w)
-    assert packed.shape == (2, 2, 5, 48, 2) and is_gate_up_packed(packed) and not is_packed(packed)
+    assert packed.shape == (4, 1, 5, 48, 2) and is_gate_up_packed(packed) and not is_packed(packed)
     for j, half in [(0, 0), (0, 1), (1, 0), (1, 1)]:
-        assert torch.equal(packed[j, half], pack_weight(w[half * inter + 48 * j:half * inter + 48 * (j + 1)])[0])
+        assert torch.equal(packed[2 * j + half], pack_weight(w[half * inter + 48 * j:half * inter + 48 * (j + 1)]))
     assert torch.equal(unpack_weight(packed), w) and packed_shape(packed) == (2 * inter, k)
 
 

@@ -8,10 +8,10 @@ shared gemm_packed.h explain it. scripts/linear_microbench.py measures it agains
 (docs/BENCHMARKS.md).
 
 `pack_weight` turns a [N, K] weight into the packed [N/16B, K/t, 16B, t] tensor, t = STEP[dtype] (bf16 2,
-fp32 1), B = 3 panels per block where N/16 allows it, else 1 (a plain permutation: same bytes, no copy
-kept; the C file explains why blocks of 3); `linear(x, weight, bias)` takes either layout: a packed
+fp32 1), B = 3 panels per block where N/16 allows it in bf16, else 1 (a plain permutation: same bytes, no
+copy kept; the C files explain why blocks of 3 in bf16 and single panels in fp32); `linear(x, weight, bias)` takes either layout: a packed
 weight goes to the kernel of its dtype, a [N, K] one to F.linear. The MLP's fused gate/up weight can
-take a third layout, `pack_gate_up`'s [I/48, 2, K/t, 48, t] (a gate block, then the same up block),
+take a third layout, `pack_gate_up`'s [2I/48, 48/C, K/t, C, t] (a gate block, then the same up block),
 which only `silu_mul_linear` reads: the kernel applies SiLU-multiply to each tile as it computes it, so
 the [M, 2I] gate/up output never goes through memory (the same bits as linear + silu_mul).
 `embedding` looks rows up in either layout (a tied lm_head is packed together with the embedding
@@ -134,17 +134,18 @@ def can_pack(weight: torch.Tensor) -> bool:
             and weight.shape[1] % STEP[weight.dtype] == 0 and native_gemm(weight.dtype) is not None)
 
 
-def block_columns(out_features: int) -> int:
-    """Output columns per packed block: 3 panels when they divide N's panels, else 1 (the C kernel's
-    block_panels rule: both sides must agree)."""
-    return PANEL * (BLOCK_PANELS if (out_features // PANEL) % BLOCK_PANELS == 0 else 1)
+def block_columns(out_features: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Output columns per packed block: bf16, 3 panels when they divide N's panels, else 1; fp32, always 1
+    (one stream per panel: gemm_f32.c says why). The C kernels' block_panels rule: both sides must agree."""
+    sequential = dtype == torch.bfloat16 and (out_features // PANEL) % BLOCK_PANELS == 0
+    return PANEL * (BLOCK_PANELS if sequential else 1)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> packed [N/C, K/t, C, t], C = block_columns(N), t = STEP[dtype] (bf16 2, fp32 1):
+    """[N, K] -> packed [N/C, K/t, C, t], C = block_columns(N, dtype), t = STEP[dtype] (bf16 2, fp32 1):
     packed[b, s, c, i] = weight[C b + c, t s + i]."""
     n, k = weight.shape
-    c, t = block_columns(n), STEP[weight.dtype]
+    c, t = block_columns(n, weight.dtype), STEP[weight.dtype]
     return weight.view(n // c, c, k // t, t).permute(0, 2, 1, 3).contiguous()
 
 
@@ -156,21 +157,22 @@ def can_pack_gate_up(weight: torch.Tensor) -> bool:
 
 
 def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
-    """[2I, K] (gate rows, then up rows) -> [I/C, 2, K/t, C, t], C = 48: gate block j packed as pack_weight
-    packs it, then up block j. The bytes are those of pack_weight applied to the rows reordered so; the
-    kernel (gemm_bf16_silu) reads gate and up block j together."""
+    """[2I, K] (gate rows, then up rows) -> [2I/48, 48/C, K/t, C, t], C = block_columns(2I, dtype): gate
+    block j (48 rows) packed as pack_weight packs it, then up block j. The bytes are those of pack_weight
+    applied to the rows reordered so; the kernel (gemm_*_silu) reads gate and up block j together."""
     n, k = weight.shape
-    c = PANEL * BLOCK_PANELS
-    blocks = weight.view(2, n // 2 // c, c, k).transpose(0, 1).reshape(n, k)  # gate 0, up 0, gate 1, ...
-    t = STEP[weight.dtype]
-    return pack_weight(blocks).view(n // 2 // c, 2, k // t, c, t)
+    width = PANEL * BLOCK_PANELS
+    blocks = weight.view(2, n // 2 // width, width, k).transpose(0, 1).reshape(n, k)  # gate 0, up 0, gate 1, ...
+    c, t = block_columns(n, weight.dtype), STEP[weight.dtype]
+    return pack_weight(blocks).view(n // width, width // c, k // t, c, t)
 
 
 def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_weight (and of pack_gate_up): [N, K]."""
     n, k = packed_shape(packed)
     if is_gate_up_packed(packed):
-        blocks = packed.permute(0, 1, 3, 2, 4).reshape(-1, 2, packed.shape[3], k)  # [I/C, gate|up, C, K]
+        width = PANEL * BLOCK_PANELS
+        blocks = unpack_weight(packed.flatten(0, 1)).view(n // 2 // width, 2, width, k)  # [I/48, gate|up, 48, K]
         return blocks.transpose(0, 1).reshape(n, k)
     return packed.permute(0, 2, 1, 3).reshape(n, k)
 
@@ -188,7 +190,7 @@ def is_gate_up_packed(weight: torch.Tensor) -> bool:
 def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
     """(N, K) of the weight a packed (or gate/up packed) tensor holds."""
     if is_gate_up_packed(packed):
-        return packed.shape[0] * 2 * packed.shape[3], packed.shape[2] * packed.shape[4]
+        return packed.shape[0] * packed.shape[1] * packed.shape[3], packed.shape[2] * packed.shape[4]
     return packed.shape[0] * packed.shape[2], packed.shape[1] * packed.shape[3]
 
 

@@ -17,11 +17,12 @@
  * weight lines and broadcasts MR pairs of x, then does MR * NZ dot products (8 x 3: 24 of them for 11
  * loads, no horizontal sums: each lane is one output). Rows are taken 8 at a time against a group of
  * NZ panels, so a group read from DRAM by the first tile is reused from L1/L2 by the others; while a
- * group computes, the group after it is prefetched, spread over its tiles (group_rows says which).
+ * group computes, the group after it is prefetched, spread over its tiles (gemm_packed.h, group_rows).
  *
  * Work split: tasks are (panel group, chunk of MC rows), group-major, and each OpenMP thread takes one
  * contiguous run of them, so at decode sizes each thread streams one contiguous part of the weight; a
- * thread done early takes tasks from the back of the others' runs (init_runs, below).
+ * thread done early takes tasks from the back of the others' runs (gemm_packed.h, init_runs). That frame,
+ * the prefetch policy and the fused SiLU variant are shared with gemm_f32.c; this file brings the tile.
  *
  * Numerics: each output is summed over K pairs in order, in fp32 (vdpbf16ps: denormal inputs and products
  * flush to zero), then rounded once to bf16 (nearest even, NaN kept, as torch does). The order does not
@@ -87,7 +88,7 @@ INLINE void tile(const uint16_t *x, int64_t ldx, int64_t kc, const uint16_t *wp,
 
 DEFINE_TILE_ANY(tile_any, tile)
 
-static const PackedKernel BF16 = {2, 2, 0, tile_any, silu_mul_rows_bf16};
+static const PackedKernel BF16 = {2, 2, 0, 1, tile_any, silu_mul_rows_bf16};
 
 int gemm_bf16_available(void) { return 1; }
 
@@ -114,7 +115,7 @@ int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t 
 /* Rows ids[0..n) of the weight a packed [N, K] tensor holds, into out [n, K] (gemm_packed.h, packed_rows:
  * each row is K / 2 pairs 64 bytes apart). Returns 0, or -2 on an id outside [0, N). */
 int packed_rows_bf16(const void *wp, const int64_t *ids, int64_t n, int64_t N, int64_t K, void *out) {
-    return packed_rows(wp, ids, n, N, K / 2, out);
+    return packed_rows(&BF16, wp, ids, n, N, out, K);
 }
 
 #else /* no AVX512-BF16 here: linear.py keeps the stored layout */

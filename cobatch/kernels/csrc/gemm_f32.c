@@ -3,15 +3,19 @@
  * Why: on a CPU without AVX512-BF16 the models run in fp32, and there oneDNN's F.linear streams the
  * weights at only ~2 GB/s at M = 4..16 rows (a decode batch), a third of the bandwidth roofline; and an
  * fp32 model without packed weights could not run the C layer loop (decoder.c). The weight is repacked
- * once at load time (kernels/linear.py, pack_weight) into blocks of B panels of 16 output columns:
+ * once at load time (kernels/linear.py, pack_weight) into panels of 16 output columns:
  *
- *     packed[b][k][c] = W[16 B b + c][k]    (b < N/16B, k < K, c < 16 B)
+ *     packed[p][k][c] = W[16 p + c][k]    (p < N/16, k < K, c < 16)
  *
  * so one 64-byte line holds one K value of 16 outputs, the operand of vfmadd231ps against a broadcast
- * x value. B = NZ (3) where the panel count allows it, else 1 (block_panels), as for bf16: a panel group
- * is then one sequential stream. The frame (tiles of MR x NZ = 8 x 3 accumulators, tasks and their
- * split over threads, the prefetch of the next group, the fused SiLU gate/up variant, the rows lookup) is
- * gemm_packed.h's, shared with gemm_bf16.c; this file brings the micro-tile.
+ * x value, and each panel is one sequential stream: a tile of NZ panels reads NZ streams. Unlike the
+ * bf16 kernel (blocks of NZ panels side by side: one stream per group, measured on Zen 4), single
+ * panels measured faster here (Intel Xeon, one thread, weights out of cache, per output column: 1.2-1.6x
+ * at M = 1..8, 1.0-1.6x at 16..256 but one 0.83x at M = 64, K = 576; one core read 10.5 GB/s from one
+ * stream, 12.8 from four): one stream does not keep enough lines in flight. The frame (tiles of
+ * MR x NZ = 8 x 3 accumulators, tasks and their split over threads, the prefetch of the next group, the
+ * fused SiLU gate/up variant, the rows lookup) is gemm_packed.h's, shared with gemm_bf16.c; this file
+ * brings the micro-tile.
  *
  * Numerics: each output is one fp32 sum over k = 0, 1, .., K - 1 in that order (one fused multiply-add
  * per k into one accumulator, from 0), then + bias: the order depends on nothing but K, so a row's bits
@@ -63,7 +67,7 @@ INLINE void tile(const float *x, int64_t ldx, int64_t kc, const float *wp, Strid
 
 DEFINE_TILE_ANY(tile_any, tile)
 
-static const PackedKernel F32 = {4, 1, KC_MAX, tile_any, silu_mul_rows_f32};
+static const PackedKernel F32 = {4, 1, KC_MAX, 0, tile_any, silu_mul_rows_f32};
 
 int gemm_f32_available(void) { return 1; }
 
@@ -89,7 +93,7 @@ int gemm_f32_silu(const void *x, const void *wp, void *act, int64_t M, int64_t i
 /* Rows ids[0..n) of the weight a packed [N, K] tensor holds, into out [n, K] (gemm_packed.h, packed_rows:
  * each row is K values 64 bytes apart). Returns 0, or -2 on an id outside [0, N). */
 int packed_rows_f32(const void *wp, const int64_t *ids, int64_t n, int64_t N, int64_t K, void *out) {
-    return packed_rows(wp, ids, n, N, K, out);
+    return packed_rows(&F32, wp, ids, n, N, out, K);
 }
 
 #else /* no AVX-512F here: linear.py keeps the stored layout and F.linear */

@@ -9,10 +9,10 @@
  *
  *     packed[b][s][c][t] = W[16 B b + c][step s + t]    (s < K / step, c < 16 B, t < step)
  *
- * so a panel group (NZ panels) sits at NZ g K 16 elements from the start in either block size, and with
- * B = NZ a group is one sequential stream. gemm_bf16.c's header comment has the measurements behind the
- * geometry and the prefetch policy (taken on bf16; the fp32 kernel inherits them, measured in
- * docs/BENCHMARKS.md).
+ * so a panel group (NZ panels) sits at NZ g K 16 elements from the start in either block size: with
+ * B = NZ a group is one sequential stream, with B = 1 it is NZ streams (one per panel). Which one is
+ * faster depends on the CPU's prefetchers, so each kernel says (PackedKernel.sequential): gemm_bf16.c's
+ * header has the Zen 4 measurements behind B = NZ, gemm_f32.c's the Intel ones behind B = 1.
  */
 #ifndef COBATCH_GEMM_PACKED_H
 #define COBATCH_GEMM_PACKED_H
@@ -58,14 +58,6 @@ typedef struct {
 /* Where a group's K step s of panel z sits, in elements from the group's start: z * zstride + s * kstride. */
 typedef struct { int64_t zstride, kstride; } Strides;
 
-/* Panels per packed block (B above): NZ when they divide the panel count, else 1 (linear.py's rule). */
-static inline int64_t block_panels(int64_t N) { return (N / NR) % NZ == 0 ? NZ : 1; }
-
-/* A group's strides for `steps` K steps of `line` elements (one panel's 16 outputs at one step). */
-static inline Strides group_strides(int64_t N, int64_t steps, int64_t line) {
-    return block_panels(N) == NZ ? (Strides){line, line * NZ} : (Strides){steps * line, line};
-}
-
 /* One issue of a tile's share of the prefetch, at K step s: each panel's line of the next group, when
  * the countdown (started at pf->phase) reaches it. esize: bytes per element. */
 INLINE void prefetch_step(const Prefetch *pf, int64_t *countdown, Strides st, int64_t s, int nz, int64_t esize) {
@@ -106,9 +98,21 @@ typedef void (*SiluRowsFn)(const void *gate, const void *up, void *out, int64_t 
 typedef struct {
     int64_t esize, step;  /* bytes per element; K values per panel line (bf16: 2, fp32: 1) */
     int64_t max_kc;       /* K values per block at most (0: K in one block; blocks need fp32 outputs) */
+    int sequential;       /* blocks of NZ panels where N allows (one stream per group), else always 1 */
     TileFn tile;
     SiluRowsFn silu_rows;
 } PackedKernel;
+
+/* Panels per packed block (B above): NZ when the kernel wants sequential groups and they divide the
+ * panel count, else 1 (linear.py's block_columns: both sides must agree). */
+static inline int64_t block_panels(const PackedKernel *kn, int64_t N) {
+    return kn->sequential && (N / NR) % NZ == 0 ? NZ : 1;
+}
+
+/* A group's strides for `steps` K steps of `line` elements (one panel's 16 outputs at one step). */
+static inline Strides group_strides(const PackedKernel *kn, int64_t N, int64_t steps, int64_t line) {
+    return block_panels(kn, N) == NZ ? (Strides){line, line * NZ} : (Strides){steps * line, line};
+}
 
 /* K values per block: K in the fewest blocks of at most max_kc, evened out (a function of K alone, so
  * the summation order is too). */
@@ -118,7 +122,7 @@ static inline int64_t k_block(int64_t K, int64_t max_kc) {
     return (K + blocks - 1) / blocks;
 }
 
-/* One call's operands (elements of the kernel's dtype) and the prefetch policy run_gemm picks. */
+/* One call's operands (elements of the kernel's dtype) and the prefetch policy (prefetch_policy). */
 typedef struct {
     const PackedKernel *kernel;
     const void *x, *wp, *bias;
@@ -143,7 +147,7 @@ static void group_rows(const GemmArgs *a, int64_t m0, int64_t rows, int64_t g, v
     const PackedKernel *kn = a->kernel;
     const int64_t panels = a->N / NR, p0 = g * NZ, K = a->K, es = kn->esize;
     const int nz = (int)(panels - p0 < NZ ? panels - p0 : NZ);
-    const Strides st = group_strides(a->N, K / kn->step, NR * kn->step);
+    const Strides st = group_strides(kn, a->N, K / kn->step, NR * kn->step);
     const int balance = a->prefetch && rows % MR != 0 && rows % MR < MR / 2;
     const int absorb = !balance && rows > MR && rows % MR == 1;
     const int64_t tiles = absorb ? rows / MR : (rows + MR - 1) / MR;
@@ -210,12 +214,19 @@ static inline int team_size(int num_threads, int64_t tasks) {
     return threads > tasks ? (int)tasks : threads;
 }
 
+/* Software prefetch of the next group: with single panels always (their NZ streams); with sequential
+ * groups from PF_MIN_M rows on, into L2 below PF_L1_MIN_M (see the constants). */
+static inline void prefetch_policy(GemmArgs *a) {
+    const int sequential = block_panels(a->kernel, a->N) == NZ;
+    a->prefetch = PF_AHEAD > 0 && (!sequential || a->M >= PF_MIN_M);
+    a->to_l2 = sequential && a->M < PF_L1_MIN_M;
+}
+
 /* y [M, N] = x [M, K] W^T (+ bias): tasks are (panel group, chunk of MC rows), group-major. */
 static void run_gemm(GemmArgs *a, int num_threads) {
     const int64_t M = a->M, N = a->N, K = a->K, esize = a->kernel->esize;
     const int64_t groups = (N / NR + NZ - 1) / NZ, chunks = (M + MC - 1) / MC, tasks = groups * chunks;
-    a->prefetch = PF_AHEAD > 0 && (block_panels(N) == 1 || M >= PF_MIN_M);
-    a->to_l2 = block_panels(N) == NZ && M < PF_L1_MIN_M;
+    prefetch_policy(a);
     const int threads = team_size(num_threads, tasks);
     Run runs[threads];
     init_runs(runs, threads, tasks);
@@ -245,7 +256,7 @@ static void run_gemm(GemmArgs *a, int num_threads) {
 static void run_gemm_silu(GemmArgs *a, int num_threads) {
     const int64_t M = a->M, inter = a->N / 2, width = NZ * NR, K = a->K, esize = a->kernel->esize;
     const int64_t pairs = inter / width, chunks = (M + MC - 1) / MC, tasks = pairs * chunks;
-    a->prefetch = PF_AHEAD > 0 && M >= PF_MIN_M, a->to_l2 = M < PF_L1_MIN_M;
+    prefetch_policy(a);
     const int threads = team_size(num_threads, tasks);
     Run runs[threads];
     init_runs(runs, threads, tasks);
@@ -278,8 +289,9 @@ static void run_gemm_silu(GemmArgs *a, int num_threads) {
  * lookup): each row is K / step units of 4 bytes (a bf16 K pair or one fp32 value), 16 B of them apart
  * in the layout; gathered in C instead of torch's advanced indexing (~0.1 ms a decode step). Returns 0,
  * or -2 on an id outside [0, N). */
-static int packed_rows(const void *wp, const int64_t *ids, int64_t n, int64_t N, int64_t units, void *out) {
-    const int64_t c = NR * block_panels(N);
+static int packed_rows(const PackedKernel *kn, const void *wp, const int64_t *ids, int64_t n, int64_t N,
+                       void *out, int64_t K) {
+    const int64_t c = NR * block_panels(kn, N), units = K / kn->step;
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -2;
     for (int64_t i = 0; i < n; i++) {
