@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/layer_loop_ab.py MODEL [--batch-sizes 1,16] [--context 64] [--rounds 3]
     .venv/bin/python scripts/layer_loop_ab.py MODEL --unpacked   # against F.linear on unpacked weights
+    ... --prefill-tokens 512                                      # also a prefill step of one prompt
 
 Each round times `bench steps`' decode step (best of 5) with `ModelRunner.native_decoder` on, then off;
 the best of the rounds is printed per batch size (docs/BENCHMARKS.md, Quantized weights). With
@@ -14,7 +15,7 @@ import argparse
 
 from unittest import mock
 
-from cobatch.bench.steps import decode_step, time_step
+from cobatch.bench.steps import decode_step, prefill_step, time_step
 from cobatch.config import EngineConfig
 from cobatch.models.llama import LlamaForCausalLM
 from cobatch.runner.model_runner import ModelRunner
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--unpacked", action="store_true", help="the Python loop on never-packed weights")
+    parser.add_argument("--prefill-tokens", type=int, default=0, help="also one prompt of this many tokens")
     args = parser.parse_args()
     config = EngineConfig(model=args.model, num_kv_blocks=256, max_model_len=1024, num_threads=args.num_threads,
                           thread_policy="fixed")
@@ -39,18 +41,20 @@ def main() -> None:
     if args.unpacked:
         with mock.patch.object(LlamaForCausalLM, "pack_linear_weights", return_value=0):
             python_runner = ModelRunner.load(config)
-    for batch_size in map(int, args.batch_sizes.split(",")):
-        step = decode_step(batch_size, args.context, runner.block_size, runner.num_kv_blocks)
+    python = "Python loop on unpacked weights" if args.unpacked else "Python loop"
+    steps = [(f"B={b}", decode_step(b, args.context, runner.block_size, runner.num_kv_blocks))
+             for b in map(int, args.batch_sizes.split(","))]
+    if args.prefill_tokens:
+        steps.append((f"prefill {args.prefill_tokens}", prefill_step(1, args.prefill_tokens, runner.block_size)))
+    for label, step in steps:
         best = {"C": float("inf"), "Python": float("inf")}
         for _ in range(args.rounds):
             for name in best:
                 runner.native_decoder = native if name == "C" else None
                 timed = runner if name == "C" else python_runner
                 best[name] = min(best[name], time_step(timed, step, 5))
-        python = "Python loop on unpacked weights" if args.unpacked else "Python loop"
-        print(f"B={batch_size}: C loop {best['C'] * 1e3:.1f} ms, {python} {best['Python'] * 1e3:.1f} ms, "
+        print(f"{label}: C loop {best['C'] * 1e3:.1f} ms, {python} {best['Python'] * 1e3:.1f} ms, "
               f"{best['Python'] / best['C']:.2f}x")
-
 
 if __name__ == "__main__":
     main()
