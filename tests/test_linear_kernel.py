@@ -243,7 +243,7 @@ def test_unpacked_weight_is_f_linear(dtype: torch.dtype, request: pytest.Fixture
 def test_no_kernel_means_no_packing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COBATCH_NO_NATIVE", "1")
     assert native_gemm.__wrapped__() is None  # what the loader returns with native code off
-    monkeypatch.setattr(linear_module, "native_gemm", lambda dtype=torch.bfloat16: None)
+    monkeypatch.setattr(linear_module, "native_gemm", lambda dtype=torch.bfloat16, weight_dtype=None: None)
     assert not can_pack(torch.zeros(32, 64, dtype=torch.bfloat16))
 
 

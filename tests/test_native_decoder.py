@@ -114,7 +114,7 @@ def test_fused_gate_up_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch, dtyp
     """An MLP whose gate/up weight is gate/up packed (its activation inside the GEMM) computes what the
     plain packed GEMM followed by silu_mul does, in both loops, bit for bit."""
     fused = _runner("llama", dtype, intermediate_size=96)
-    monkeypatch.setattr(llama_module, "can_pack_gate_up", lambda weight: False)
+    monkeypatch.setattr(llama_module, "can_pack_gate_up", lambda weight, activations=None: False)
     plain = _runner("llama", dtype, intermediate_size=96)
     assert is_gate_up_packed(fused.model.layers[0].gate_up_proj)
     assert is_packed(plain.model.layers[0].gate_up_proj)

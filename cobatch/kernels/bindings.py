@@ -69,6 +69,11 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "gemm_f32": (_INT, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
     "gemm_f32_silu": (_INT, [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
     "packed_rows_f32": (_INT, [_PTR, _PTR, _I64, _I64, _I64, _PTR]),
+    # gemm_f32_wbf16.c (the same arguments)
+    "gemm_f32_wbf16_available": (_INT, []),
+    "gemm_f32_wbf16": (_INT, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
+    "gemm_f32_wbf16_silu": (_INT, [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
+    "packed_rows_f32_wbf16": (_INT, [_PTR, _PTR, _I64, _I64, _I64, _PTR]),
     # paged_attention.c
     "paged_attention_f32": (_INT, _ATTENTION),
     "paged_attention_bf16": (_INT, _ATTENTION),

@@ -1,5 +1,5 @@
 """All decoder layers of a step in one native call (csrc/decoder.c): bf16 and fp32 models on weights packed
-for the dense GEMM of their dtype, or quantized ones.
+for the dense GEMM of their dtype (or bf16 ones in an fp32 model: weight-only bf16), or quantized ones.
 
 The C loop calls the same kernels as the model's layer-by-layer Python path (models/llama.py), in the same
 order, so both give the same bits (tests compare them); it only removes the per-layer Python and torch
@@ -73,14 +73,25 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-PACKED = -1  # Layer's *_type of a weight packed for the dense GEMM of its dtype (else the quantized qtype)
+# Layer's *_type (cobatch_kernels.h) of a weight packed for the dense GEMM of the activations' dtype, and of
+# a bf16 one under fp32 activations (else the quantized qtype).
+PACKED, PACKED_F32_WBF16 = -1, -2
 
 
-def projection_type(weight: torch.Tensor) -> int | None:
-    """The C loop's type of a projection: PACKED, a quantized format's qtype, or None (neither)."""
+def projection_type(weight: torch.Tensor, dtype: torch.dtype) -> int | None:
+    """The C loop's type of a projection under `dtype` activations: PACKED, PACKED_F32_WBF16, a quantized
+    format's qtype, or None (none of them)."""
     if is_quantized(weight):
         return quant_type(weight).qtype
-    return PACKED if is_packed(weight) else None
+    if not (is_packed(weight) or is_gate_up_packed(weight)):
+        return None
+    return PACKED_F32_WBF16 if (dtype, weight.dtype) == (torch.float32, torch.bfloat16) else PACKED
+
+
+def _has_dense_kernel(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the GEMM for `dtype` activations on this packed weight is built and reads its layout."""
+    kernel = native_gemm(dtype, weight.dtype)
+    return kernel is not None and kernel.reads(weight)
 
 
 def _is_fused(weights: DecoderWeights) -> bool:
@@ -88,18 +99,18 @@ def _is_fused(weights: DecoderWeights) -> bool:
 
 
 def can_run(weights: DecoderWeights) -> bool:
-    """Every projection packed in the activations' dtype or quantized (gate/up fused in all layers or
-    none), and every kernel it needs built here."""
+    """Every projection packed for the activations' dtype (bf16 ones too under fp32) or quantized (gate/up
+    fused in all layers or none), and every kernel it needs built here."""
     dtype, fused = weights.final_norm.dtype, _is_fused(weights)
     dense = [w for layer in weights.layers
              for w in (layer.qkv, layer.o, layer.down, layer.gate_up) if not is_quantized(w)]
-    types = [projection_type(w) for layer in weights.layers
+    types = [projection_type(w, dtype) for layer in weights.layers
              for w in (layer.qkv, layer.o, layer.down, *(() if fused else (layer.gate_up,)))]
-    if None in types or dtype not in (torch.bfloat16, torch.float32) or any(w.dtype != dtype for w in dense):
+    if None in types or dtype not in (torch.bfloat16, torch.float32):
         return False
     return (fused_ops().native and load_attention_kernel() is not None
-            and (not dense or native_gemm(dtype) is not None)
-            and (all(t == PACKED for t in types) or native_quant_gemm() is not None))
+            and all(_has_dense_kernel(w, dtype) for w in dense)
+            and (all(t < 0 for t in types) or native_quant_gemm() is not None))
 
 
 class NativeDecoder:
@@ -114,8 +125,7 @@ class NativeDecoder:
         self._layers = (Layer * len(w.layers))(*(
             Layer(*(_ptr(t) for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.o_bias,
                                       layer.post_norm, layer.gate_up, layer.down)), None, None,
-                  *(PACKED if fused_mlp and t is layer.gate_up else projection_type(t)
-                    for t in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+                  *(projection_type(t, self._dtype) for t in (layer.qkv, layer.o, layer.gate_up, layer.down)))
             for layer in w.layers))
         self._bound_caches: Sequence[KVCache] | None = None
         self._scratch = torch.empty(0, dtype=self._dtype)  # the per-step activations (_workspace)

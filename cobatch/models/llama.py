@@ -191,17 +191,18 @@ class LlamaForCausalLM(nn.Module):
         permutation: the model's memory stays the same (moved onto huge pages when anything was
         packed; the caller frees the old heap). Packed weights are what the C layer loop reads (the
         runner's choice). The gate/up weight takes pack_gate_up's layout where its size allows
-        (kernels/linear.py)."""
+        (kernels/linear.py). Each is packed for the model's dtype: a bf16 weight in an fp32 model
+        (weight-only bf16, models/loader.py) for the fp32-on-bf16 kernel."""
         owners = [(layer, name) for layer in self.layers
                   for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] + [(self, "lm_head")]
-        packed = 0
+        packed, dtype = 0, self.norm.dtype
         for owner, name in owners:
             param = getattr(owner, name)
-            if name == "gate_up_proj" and can_pack_gate_up(param.data):
-                param.data = pack_gate_up(param.data)  # SiLU-multiply fused into its GEMM
+            if name == "gate_up_proj" and can_pack_gate_up(param.data, dtype):
+                param.data = pack_gate_up(param.data, dtype)  # SiLU-multiply fused into its GEMM
                 packed += 1
-            elif can_pack(param.data):
-                param.data = pack_weight(param.data)  # the same Parameter: a tied embedding follows
+            elif can_pack(param.data, dtype):
+                param.data = pack_weight(param.data, dtype)  # the same Parameter: a tied embedding follows
                 packed += 1
         if packed:
             move_to_huge_pages(list(self.parameters()))  # streamed every decode step (kernels/hugepages.py)

@@ -6,6 +6,12 @@ format the quantized kernel serves (Q8_0, Q4_0, Q4_K: kernels/quant_linear.py) s
 uint8 [N, K / block, block_bytes] tensor, and the model keeps it packed, never dense; other types are
 dequantized with `gguf`. `quantization` ("q8_0" | "q4_0") quantizes the dense projections and embeddings
 at load (models/quantization.py).
+
+Weight-only bf16: a model computed in fp32 on CPU keeps a projection or embedding table whose source
+values are bf16 (a bf16 safetensors tensor, a GGUF BF16 tensor) in bf16 where the native fp32-on-bf16
+GEMM reads it (kernels/linear.py, csrc/gemm_f32_wbf16.c): bf16 -> fp32 is exact, so the math is the same
+fp32 math on the same values, at half the bytes a decode step streams. Norms, biases, the KV cache and
+activations stay fp32; `weight_only_bf16=False` (or COBATCH_NO_NATIVE=1) converts everything, as before.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import numpy as np
 import torch
 
 from cobatch.kernels.hugepages import move_to_huge_pages
+from cobatch.kernels.linear import can_pack
 from cobatch.kernels.quant_linear import FORMATS, QuantFormat, can_pack_blocks, is_quantized, pack_blocks
 from cobatch.models.llama import LlamaForCausalLM
 from cobatch.models import quantization as quant
@@ -40,15 +47,17 @@ _GGUF_PERMUTED_ARCHS = ("llama", "mistral")
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               quantization: str | None = None,
+               weight_only_bf16: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load the model at `path` (HF folder or .gguf file) in `dtype` on `device`; `quantization` ("q8_0",
-    "q4_0") quantizes its dense projections and embeddings."""
+    "q4_0") quantizes its dense projections and embeddings; weight_only_bf16: bf16 weights stay bf16
+    under fp32 math where the kernel is (the module docstring)."""
     path = Path(path)
     if is_gguf(path):
         config, tensors = _load_gguf(path, dtype)
     else:
         config, tensors = load_model_config(path), _load_hf_tensors(path)
-    model = build_model(config, tensors, dtype, device, quantization)
+    model = build_model(config, tensors, dtype, device, quantization, weight_only_bf16)
     del tensors
     release_freed_heap()
     return model, config
@@ -90,12 +99,14 @@ def _check_hf_supported(cfg: Mapping[str, object]) -> None:
 # ---------------------------------------------------------------------------------------------- building
 
 def build_model(config: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str = "cpu", quantization: str | None = None) -> LlamaForCausalLM:
+                device: torch.device | str = "cpu", quantization: str | None = None,
+                weight_only_bf16: bool = True) -> LlamaForCausalLM:
     """Fill a fresh decoder from HF-named tensors, fusing QKV and gate/up; weights given as GGUF blocks
-    stay quantized, and `quantization` quantizes the dense ones (projections, embeddings)."""
+    stay quantized, `quantization` quantizes the dense ones (projections, embeddings), and bf16 ones stay
+    bf16 under fp32 math where weight_only_bf16 and the kernel allow (the module docstring)."""
     model = LlamaForCausalLM(config, dtype, device)
     get = _Getter(tensors)
-    weight = _WeightFiller(quantization if str(device) == "cpu" else None)
+    weight = _WeightFiller(quantization if str(device) == "cpu" else None, weight_only_bf16)
     with torch.no_grad():
         weight(model.embed_tokens, [get("model.embed_tokens.weight")])
         _fill(model.norm, get("model.norm.weight"))
@@ -121,12 +132,13 @@ def build_model(config: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype:
 
 class _WeightFiller:
     """Sets a projection or embedding from its parts (rows concatenated): kept quantized when every part
-    is GGUF blocks of one format (or `quantization` names one), dense otherwise (the model's dtype)."""
+    is GGUF blocks of one format (or `quantization` names one), bf16 when the parts are bf16 under fp32
+    math (weight_only_bf16, where the kernel reads it), dense in the model's dtype otherwise."""
 
-    def __init__(self, quantization: str | None) -> None:
+    def __init__(self, quantization: str | None, weight_only_bf16: bool = True) -> None:
         if quantization is not None and quantization not in FORMATS:
             raise ValueError(f"unsupported quantization {quantization!r}; supported: {sorted(FORMATS)}")
-        self.quantization = quantization
+        self.quantization, self.weight_only_bf16 = quantization, weight_only_bf16
 
     def __call__(self, param: torch.nn.Parameter, parts: list[torch.Tensor]) -> None:
         formats = {_block_format(t) for t in parts}
@@ -144,7 +156,17 @@ class _WeightFiller:
         if target is not None and can_pack_blocks(rows, in_features, target) and dense.shape == param.shape:
             param.data = pack_blocks(quant.quantize(dense, target.name))
             return
+        if self.weight_only_bf16 and _keeps_bf16(param, dense):
+            param.data = dense  # exact: its fp32 math is the same (the module docstring)
+            return
         _fill(param, dense)
+
+
+def _keeps_bf16(param: torch.Tensor, dense: torch.Tensor) -> bool:
+    """Whether a bf16 weight for an fp32 CPU model can stay bf16: its shape fits the packed layout and the
+    fp32-on-bf16 kernel is built here."""
+    return (dense.dtype == torch.bfloat16 and param.dtype == torch.float32 and param.is_cpu
+            and dense.shape == param.shape and can_pack(dense, torch.float32))
 
 
 def _block_format(tensor: torch.Tensor) -> QuantFormat | None:
@@ -231,12 +253,15 @@ def _mostly_served(tensors: list) -> bool:
 
 def _gguf_tensor(t: object, dtype: torch.dtype, keep_blocks: bool) -> torch.Tensor:
     """A GGUF tensor as GGUF blocks [N, K / block, block_bytes] (uint8, copied out of the file's mapping)
-    where keep_blocks and the quantized kernel serves its type, else dequantized into `dtype`."""
+    where keep_blocks and the quantized kernel serves its type; a BF16 one as bf16 (build_model keeps
+    or converts it: weight-only bf16); else dequantized into `dtype`."""
     import gguf
 
     fmt = quant.format_of(t.tensor_type) if keep_blocks else None  # type: ignore[attr-defined]
     if fmt is not None and t.data.ndim == 2:  # type: ignore[attr-defined]
         return torch.from_numpy(np.array(t.data)).view(t.data.shape[0], -1, fmt.block_bytes)  # type: ignore
+    if t.tensor_type == gguf.GGMLQuantizationType.BF16:  # type: ignore[attr-defined]
+        return torch.from_numpy(np.array(t.data)).view(torch.bfloat16)  # type: ignore[attr-defined]  # its bits
     array = gguf.quants.dequantize(t.data, t.tensor_type)  # type: ignore[attr-defined]
     if not array.flags.writeable:  # memory-mapped F32 tensors: torch wants a writable buffer
         array = np.array(array)

@@ -84,6 +84,19 @@ int gemm_f32_silu(const void *x, const void *wp, void *act, int64_t M, int64_t i
 /* Rows ids [n] of the [N, K] weight a packed fp32 tensor holds, into out [n, K] (an embedding lookup). */
 int packed_rows_f32(const void *wp, const int64_t *ids, int64_t n, int64_t N, int64_t K, void *out);
 
+/* ------------------------------- gemm_f32_wbf16.c: fp32 GEMM on packed bf16 weights (weight-only bf16) */
+
+/* 1 when built with AVX-512F (else the GEMM entry points are stubs that return -1). */
+int gemm_f32_wbf16_available(void);
+/* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL): x, bias, y fp32, W bf16 packed (layout: gemm_f32_wbf16.c). */
+int gemm_f32_wbf16(const void *x, const void *wp, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
+                   int num_threads);
+/* act [M, inter] = silu(x Wg^T) * (x Wu^T), fp32, gate/up bf16 packed together (pack_gate_up). */
+int gemm_f32_wbf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K,
+                        int num_threads);
+/* Rows ids [n] of the [N, K] weight a packed bf16 tensor holds, as fp32, into out [n, K]. */
+int packed_rows_f32_wbf16(const void *wp, const int64_t *ids, int64_t n, int64_t N, int64_t K, void *out);
+
 /* --------------------------------------------- paged_attention.c: attention over the paged KV cache */
 
 /* q rows q_stride apart, caches [blocks, block_size, kv heads, head_dim] (kernel layout on the AVX-512
@@ -117,8 +130,10 @@ typedef struct {
     float eps, scale;
 } Shape;
 
-/* Each projection packed for the activations' dense GEMM (its *_type -1: gemm_bf16 or gemm_f32) or
- * quantized for gemm_quant (QUANT_*). */
+/* Each projection packed for the activations' dense GEMM (its *_type PACKED_DENSE: gemm_bf16 or gemm_f32),
+ * packed bf16 under fp32 activations (PACKED_F32_WBF16: gemm_f32_wbf16) or quantized for gemm_quant
+ * (QUANT_*). A fused gate/up (Shape.fused_mlp) says which of the first two it is too. */
+enum { PACKED_DENSE = -1, PACKED_F32_WBF16 = -2 };
 typedef struct {
     const void *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down; /* biases may be NULL */
     void *k_cache, *v_cache; /* [blocks, block_size, kv heads, head_dim], laid out as the kernel reads */

@@ -1,7 +1,8 @@
 /* The decoder layers of one step in one native call: the same kernels, in the same order, with the same
  * arguments as models/llama.py's layer-by-layer path (which stays: unpacked weights, the profiler's labelled
  * parts, other devices), so the two give the same bits. Activations bf16 or fp32, on projections packed
- * in the same dtype (gemm_bf16.c, gemm_f32.c) or quantized (gemm_quant.c); Layer's *_type says which.
+ * in the same dtype (gemm_bf16.c, gemm_f32.c), bf16 ones under fp32 activations (gemm_f32_wbf16.c) or
+ * quantized (gemm_quant.c); Layer's *_type says which.
  *
  * Why: a decode step's kernels are small: at batch 1 the layer loop made ~15 Python/torch calls per layer
  * (wrappers, views, output allocations, the K/V index copies), ~3-4 ms per step against ~8 ms of weight
@@ -51,13 +52,22 @@ static void gather_rows(void *dst, const void *src, const int64_t *rows, int64_t
         memcpy((char *)dst + esize * i * width, (const char *)src + esize * rows[i] * width, esize * width);
 }
 
-/* y = x W^T (+ bias): W packed for the activations' dense GEMM (qtype < 0: gemm_bf16 or gemm_f32) or
- * quantized (gemm_quant, fp32 or bf16 x). */
+/* y = x W^T (+ bias): W packed for the activations' dense GEMM (PACKED_DENSE: gemm_bf16 or gemm_f32),
+ * bf16 under fp32 x (PACKED_F32_WBF16) or quantized (gemm_quant, fp32 or bf16 x). */
 static int linear(const Shape *s, int64_t qtype, const void *x, const void *w, const void *bias, void *y,
                   int64_t M, int64_t N, int64_t K, int threads) {
     if (qtype >= 0) return gemm_quant(x, w, (int)qtype, bias, y, M, N, K, (int)s->is_bf16, threads);
+    if (qtype == PACKED_F32_WBF16) return gemm_f32_wbf16(x, w, bias, y, M, N, K, threads);
     if (s->is_bf16) return gemm_bf16(x, w, bias, y, M, N, K, threads);
     return gemm_f32(x, w, bias, y, M, N, K, threads);
+}
+
+/* act = silu(x Wg^T) * (x Wu^T) on a gate/up-packed W of the given type (PACKED_DENSE or PACKED_F32_WBF16). */
+static int linear_silu(const Shape *s, int64_t type, const void *x, const void *w, void *act, int64_t M,
+                       int threads) {
+    if (type == PACKED_F32_WBF16) return gemm_f32_wbf16_silu(x, w, act, M, s->inter, s->hidden, threads);
+    if (s->is_bf16) return gemm_bf16_silu(x, w, act, M, s->inter, s->hidden, threads);
+    return gemm_f32_silu(x, w, act, M, s->inter, s->hidden, threads);
 }
 
 /* The new tokens' K/V into the cache, in the activations' dtype. */
@@ -117,9 +127,7 @@ static int layer_forward(const Shape *s, const Layer *l, const Step *st, const B
     add_rms_norm(b->x, residual, l->post_norm, b->h, T, H, s->eps, bf16);
     TIMER(6);
     if (s->fused_mlp) {
-        status = bf16 ? gemm_bf16_silu(b->h, l->gate_up, b->act, T, s->inter, H, threads)
-                      : gemm_f32_silu(b->h, l->gate_up, b->act, T, s->inter, H, threads);
-        if (status) return status;
+        if ((status = linear_silu(s, l->gate_up_type, b->h, l->gate_up, b->act, T, threads))) return status;
     } else {
         status = linear(s, l->gate_up_type, b->h, l->gate_up, NULL, b->gate_up, T, 2 * s->inter, H, threads);
         if (status) return status;

@@ -88,7 +88,7 @@ INLINE void tile(const uint16_t *x, int64_t ldx, int64_t kc, const uint16_t *wp,
 
 DEFINE_TILE_ANY(tile_any, tile)
 
-static const PackedKernel BF16 = {2, 2, 0, 1, tile_any, silu_mul_rows_bf16};
+static const PackedKernel BF16 = {2, 2, 2, 0, 1, tile_any, silu_mul_rows_bf16};
 
 int gemm_bf16_available(void) { return 1; }
 

@@ -39,11 +39,7 @@
 INLINE void tile(const float *x, int64_t ldx, int64_t kc, const float *wp, Strides st, const float *bias,
                  float *y, int64_t ldy, int mr, int nz, Prefetch pf, int accumulate) {
     __m512 acc[(MR + 1) * NZ];  /* up to MR + 1 rows: see gemm_packed.h, group_rows */
-#pragma GCC unroll 9
-    for (int m = 0; m < mr; m++)
-#pragma GCC unroll 3
-        for (int z = 0; z < nz; z++)
-            acc[m * NZ + z] = accumulate ? _mm512_loadu_ps(y + m * ldy + z * NR) : _mm512_setzero_ps();
+    f32_tile_start(acc, y, ldy, mr, nz, accumulate);
     int64_t countdown = pf.next != NULL ? pf.phase : kc;
     for (int64_t k = 0; k < kc; k++) {
         __m512 w[NZ];
@@ -57,17 +53,12 @@ INLINE void tile(const float *x, int64_t ldx, int64_t kc, const float *wp, Strid
             for (int z = 0; z < nz; z++) acc[m * NZ + z] = _mm512_fmadd_ps(xb, w[z], acc[m * NZ + z]);
         }
     }
-#pragma GCC unroll 3
-    for (int z = 0; z < nz; z++) {
-        __m512 b = bias != NULL ? _mm512_loadu_ps(bias + z * NR) : _mm512_setzero_ps();
-#pragma GCC unroll 9
-        for (int m = 0; m < mr; m++) _mm512_storeu_ps(y + m * ldy + z * NR, _mm512_add_ps(acc[m * NZ + z], b));
-    }
+    f32_tile_store(acc, bias, y, ldy, mr, nz);
 }
 
 DEFINE_TILE_ANY(tile_any, tile)
 
-static const PackedKernel F32 = {4, 1, KC_MAX, 0, tile_any, silu_mul_rows_f32};
+static const PackedKernel F32 = {4, 1, 4, KC_MAX, 0, tile_any, silu_mul_rows_f32};
 
 int gemm_f32_available(void) { return 1; }
 

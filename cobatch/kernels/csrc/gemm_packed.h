@@ -90,13 +90,34 @@ typedef void (*TileFn)(const void *x, int64_t ldx, int64_t kc, const void *wp, S
             default: break;                                                                                 \
         }                                                                                                   \
     }
+/* A tile's fp32 accumulators (gemm_f32.c, gemm_f32_wbf16.c): the partial sums y holds (accumulate: a K block
+ * after the first, reloaded exactly) or zeros. */
+INLINE void f32_tile_start(__m512 *acc, const float *y, int64_t ldy, int mr, int nz, int accumulate) {
+#pragma GCC unroll 9
+    for (int m = 0; m < mr; m++)
+#pragma GCC unroll 3
+        for (int z = 0; z < nz; z++)
+            acc[m * NZ + z] = accumulate ? _mm512_loadu_ps(y + m * ldy + z * NR) : _mm512_setzero_ps();
+}
+
+/* A tile's fp32 accumulators (+ bias, NULL: none) into y. */
+INLINE void f32_tile_store(const __m512 *acc, const float *bias, float *y, int64_t ldy, int mr, int nz) {
+#pragma GCC unroll 3
+    for (int z = 0; z < nz; z++) {
+        __m512 b = bias != NULL ? _mm512_loadu_ps(bias + z * NR) : _mm512_setzero_ps();
+#pragma GCC unroll 9
+        for (int m = 0; m < mr; m++) _mm512_storeu_ps(y + m * ldy + z * NR, _mm512_add_ps(acc[m * NZ + z], b));
+    }
+}
+
 /* The SiLU-multiply epilogue of a dtype (fused_ops.c: silu_mul_rows_bf16 / silu_mul_rows_f32). */
 typedef void (*SiluRowsFn)(const void *gate, const void *up, void *out, int64_t rows, int64_t width,
                            int64_t in_stride, int64_t out_stride);
 
 /* What a GEMM file brings to the frame. */
 typedef struct {
-    int64_t esize, step;  /* bytes per element; K values per panel line (bf16: 2, fp32: 1) */
+    int64_t esize, step;  /* bytes per weight element; K values per panel line (bf16: 2, fp32: 1) */
+    int64_t xsize;        /* bytes per element of x, bias and y (gemm_f32_wbf16.c: fp32 on bf16 weights) */
     int64_t max_kc;       /* K values per block at most (0: K in one block; blocks need fp32 outputs) */
     int sequential;       /* blocks of NZ panels where N allows (one stream per group), else always 1 */
     TileFn tile;
@@ -114,15 +135,16 @@ static inline Strides group_strides(const PackedKernel *kn, int64_t N, int64_t s
     return block_panels(kn, N) == NZ ? (Strides){line, line * NZ} : (Strides){steps * line, line};
 }
 
-/* K values per block: K in the fewest blocks of at most max_kc, evened out (a function of K alone, so
- * the summation order is too). */
-static inline int64_t k_block(int64_t K, int64_t max_kc) {
+/* K values per block: K in the fewest blocks of at most max_kc, evened out and rounded up to whole panel
+ * lines of `step` values (a function of K alone, so the summation order is too). */
+static inline int64_t k_block(int64_t K, int64_t max_kc, int64_t step) {
     if (max_kc <= 0 || K <= max_kc) return K;
-    const int64_t blocks = (K + max_kc - 1) / max_kc;
-    return (K + blocks - 1) / blocks;
+    const int64_t blocks = (K + max_kc - 1) / max_kc, kc = (K + blocks - 1) / blocks;
+    return (kc + step - 1) / step * step;
 }
 
-/* One call's operands (elements of the kernel's dtype) and the prefetch policy (prefetch_policy). */
+/* One call's operands (wp's elements of esize bytes, the others' of xsize) and the prefetch policy
+ * (prefetch_policy). */
 typedef struct {
     const PackedKernel *kernel;
     const void *x, *wp, *bias;
@@ -145,7 +167,7 @@ typedef struct {
 static void group_rows(const GemmArgs *a, int64_t m0, int64_t rows, int64_t g, void *y, int64_t ldy,
                        const void *next) {
     const PackedKernel *kn = a->kernel;
-    const int64_t panels = a->N / NR, p0 = g * NZ, K = a->K, es = kn->esize;
+    const int64_t panels = a->N / NR, p0 = g * NZ, K = a->K, es = kn->esize, xs = kn->xsize;
     const int nz = (int)(panels - p0 < NZ ? panels - p0 : NZ);
     const Strides st = group_strides(kn, a->N, K / kn->step, NR * kn->step);
     const int balance = a->prefetch && rows % MR != 0 && rows % MR < MR / 2;
@@ -153,8 +175,8 @@ static void group_rows(const GemmArgs *a, int64_t m0, int64_t rows, int64_t g, v
     const int64_t tiles = absorb ? rows / MR : (rows + MR - 1) / MR;
     const int64_t sharing = balance || absorb || rows < MR ? tiles : rows / MR;  /* the tiles that prefetch */
     const char *wp = (const char *)a->wp + es * p0 * K * NR;
-    const char *bias = a->bias != NULL ? (const char *)a->bias + es * p0 * NR : NULL;
-    const int64_t kc = k_block(K, kn->max_kc);
+    const char *bias = a->bias != NULL ? (const char *)a->bias + xs * p0 * NR : NULL;
+    const int64_t kc = k_block(K, kn->max_kc, kn->step);
     for (int64_t k0 = 0; k0 < K; k0 += kc) {
         const int64_t len = K - k0 < kc ? K - k0 : kc;
         const int last = k0 + len == K;
@@ -165,8 +187,8 @@ static void group_rows(const GemmArgs *a, int64_t m0, int64_t rows, int64_t g, v
             else if (absorb && t == 0) mr = MR + 1;
             else mr = (int)(rows - m < MR ? rows - m : MR);
             Prefetch pf = {last && t < sharing ? next : NULL, t, sharing, a->to_l2};
-            kn->tile((const char *)a->x + es * ((m0 + m) * K + k0), K, len, wp + es * (k0 / kn->step) * st.kstride,
-                     st, last ? bias : NULL, (char *)y + es * m * ldy, ldy, mr, nz, pf, k0 > 0);
+            kn->tile((const char *)a->x + xs * ((m0 + m) * K + k0), K, len, wp + es * (k0 / kn->step) * st.kstride,
+                     st, last ? bias : NULL, (char *)y + xs * m * ldy, ldy, mr, nz, pf, k0 > 0);
             m += mr;
         }
     }
@@ -241,7 +263,7 @@ static void run_gemm(GemmArgs *a, int num_threads) {
             if (a->prefetch && own && c == chunks - 1 && task + PF_AHEAD < run_end(&runs[me])
                 && (g + PF_AHEAD) * NZ < N / NR)
                 next = (const char *)a->wp + esize * (g + PF_AHEAD) * NZ * K * NR;
-            group_rows(a, m0, m1 - m0, g, (char *)a->y + esize * (m0 * N + g * NZ * NR), N, next);
+            group_rows(a, m0, m1 - m0, g, (char *)a->y + a->kernel->xsize * (m0 * N + g * NZ * NR), N, next);
         }
     }
 }
@@ -279,8 +301,8 @@ static void run_gemm_silu(GemmArgs *a, int num_threads) {
             }
             group_rows(a, m0, rows, 2 * j, gate, width, next[0]);
             group_rows(a, m0, rows, 2 * j + 1, up, width, next[1]);
-            a->kernel->silu_rows(gate, up, (char *)a->y + esize * (m0 * inter + j * width), rows, width, width,
-                                 inter);
+            a->kernel->silu_rows(gate, up, (char *)a->y + a->kernel->xsize * (m0 * inter + j * width), rows, width,
+                                 width, inter);
         }
     }
 }
@@ -289,7 +311,7 @@ static void run_gemm_silu(GemmArgs *a, int num_threads) {
  * lookup): each row is K / step units of 4 bytes (a bf16 K pair or one fp32 value), 16 B of them apart
  * in the layout; gathered in C instead of torch's advanced indexing (~0.1 ms a decode step). Returns 0,
  * or -2 on an id outside [0, N). */
-static int packed_rows(const PackedKernel *kn, const void *wp, const int64_t *ids, int64_t n, int64_t N,
+static inline int packed_rows(const PackedKernel *kn, const void *wp, const int64_t *ids, int64_t n, int64_t N,
                        void *out, int64_t K) {
     const int64_t c = NR * block_panels(kn, N), units = K / kn->step;
     for (int64_t i = 0; i < n; i++)
