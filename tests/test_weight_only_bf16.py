@@ -181,3 +181,14 @@ def test_no_native_means_fp32_copies(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     _bf16_folder(tmp_path, "llama")
     model, _ = load_model(tmp_path, F32)
     assert all(p.dtype == F32 for p in model.parameters())
+
+
+def test_roofline_probes_the_kernel_the_model_runs(tmp_path: Path) -> None:
+    """bench roofline's GEMM peak on a weight-only bf16 model times fp32 activations on its bf16 weights
+    (it fed bf16 x to them before, which no kernel here reads)."""
+    from cobatch.bench.roofline import measure_machine
+
+    _bf16_folder(tmp_path, "llama", intermediate_size=96)
+    model, config = load_model(tmp_path, F32)
+    ModelRunner.from_model(model, config, 64, 4)  # packs
+    assert measure_machine(model, reps=1, m=16, bandwidth_bytes=1 << 20).gemm_flops_per_s > 0

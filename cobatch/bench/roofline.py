@@ -181,8 +181,8 @@ def measure_machine(model: object, reps: int = 10, m: int = 1024, bandwidth_byte
             x = torch.randn(m, k, dtype=model.norm.dtype)  # type: ignore[attr-defined]
             peak = max(peak, _best_rate(2.0 * m * n * k, lambda: linear(x, weight), reps))
             continue
-        x = torch.randn(m, k, dtype=weight.dtype)
-        plain = unpack_weight(weight) if is_packed(weight) else weight  # a contiguous copy
+        x = torch.randn(m, k, dtype=model.norm.dtype)  # type: ignore[attr-defined]  # (weight-only bf16: fp32)
+        plain = (unpack_weight(weight) if is_packed(weight) else weight).to(x.dtype)  # a contiguous copy
         peak = max(peak, _best_rate(2.0 * m * n * k, lambda: F.linear(x, plain), reps))
         if is_packed(weight):
             peak = max(peak, _best_rate(2.0 * m * n * k, lambda: linear(x, weight), reps))
