@@ -95,7 +95,9 @@ async def send_one(client: httpx.AsyncClient, request: BenchRequest, spec: LoadS
                     usage_tokens = usage.get("completion_tokens")
                     timing.num_prompt_tokens = usage.get("prompt_tokens") or timing.num_prompt_tokens
         timing.num_output_tokens = usage_tokens if usage_tokens is not None else num_chunks
-        timing.success = bool(timing.token_times_s)
+        # Tokens whose text is empty (a padded vocabulary's ids, random weights) still count when the
+        # server's usage reports them; such a request has no TTFT or TPOT.
+        timing.success = bool(timing.token_times_s) or bool(usage_tokens)
         timing.error = "" if timing.success else "no tokens received"
     except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as exc:
         timing.success, timing.error = False, f"{type(exc).__name__}: {exc}"
