@@ -183,6 +183,20 @@ def summarize(fmt: str, path: Path, result: dict[str, dict], bandwidth: float) -
     return summary
 
 
+def markdown(results: list[dict]) -> str:
+    """The docs' table: tok/s of both servers, the ratios and the one-stream roofline shares."""
+    head = ("| shape | format | one stream: llama-server | cobatch | ratio | of roofline (llama / cobatch) "
+            "| batch: llama-server | cobatch | ratio |\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for r in results:
+        tok = {s: (r["servers"][s]["single"]["tok_s"], r["servers"][s]["batch"]["tok_s"]) for s in SERVERS}
+        rows.append(f"| {r['shape']} | {r['format']} | {tok['llama-server'][0]:.1f} | {tok['cobatch'][0]:.1f} | "
+                    f"{r['single_ratio']:.2f}x | {r['llama-server_single_of_roofline']:.0%} / "
+                    f"{r['cobatch_single_of_roofline']:.0%} | {tok['llama-server'][1]:.1f} | "
+                    f"{tok['cobatch'][1]:.1f} | {r['batch_ratio']:.2f}x |")
+    return "\n".join([head, *rows])
+
+
 def plot(results: list[dict], path: Path) -> None:
     """cobatch / llama-server per shape and format: one stream and batch, the targets (1x, 2x) drawn."""
     import matplotlib
@@ -235,6 +249,7 @@ def main() -> int:
                   f"{summary['llama-server_single_of_roofline']:.0%}", flush=True)
             write_json(args.json, {"machine": _machine(args), "results": results})  # partial results kept
     plot(results, Path(args.plot))
+    print(markdown(results))
     print(f"wrote {args.json} and {args.plot}")
     return 0
 
