@@ -44,7 +44,12 @@ def test_reverse_rope_permute_undoes_llama_cpp_permute() -> None:
 
 def _round_trip(hf_model: torch.nn.Module, tmp_path: Path, **save_kwargs: object) -> list[int]:
     hf_model.save_pretrained(tmp_path, **save_kwargs)
-    model, config = load_model(tmp_path, torch.float32)
+    return _greedy(tmp_path)
+
+
+def _greedy(path: Path) -> list[int]:
+    """6 greedy tokens after PROMPT from the model loaded (fp32) at `path`."""
+    model, config = load_model(path, torch.float32)
     runner = ModelRunner.from_model(model, config, num_kv_blocks=16, block_size=4)
     seq = BlockAllocator(4).seq("r", PROMPT, len(PROMPT) + 6)
     step(runner, [(seq, None)])
@@ -141,13 +146,7 @@ def test_gguf_rope_freqs_llama3_scaling_matches_hf(tmp_path: Path) -> None:
     assert config.rope_scaling is not None and config.rope_scaling.rope_type == "freq_factors"
     ours = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     assert torch.allclose(ours, hf.model.rotary_emb.inv_freq)
-    model, config = load_model(path, torch.float32)
-    runner = ModelRunner.from_model(model, config, num_kv_blocks=16, block_size=4)
-    seq = BlockAllocator(4).seq("r", PROMPT, len(PROMPT) + 6)
-    step(runner, [(seq, None)])
-    for _ in range(5):
-        step(runner, [(seq, 1)])
-    assert seq.output == hf_greedy(hf, PROMPT, 6)
+    assert _greedy(path) == hf_greedy(hf, PROMPT, 6)
 
 
 def test_unknown_rope_scaling_is_refused(tmp_path: Path) -> None:
