@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cobatch.config import EngineConfig
 from cobatch.cost_model import predict_prefill_s
@@ -29,6 +30,9 @@ from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler import SchedulerStats
 from cobatch.step_history import StepHistory
 from cobatch.wait_reasons import SequenceWaitStatus
+
+if TYPE_CHECKING:
+    from cobatch.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -205,9 +209,10 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, wrap_runner: Callable[[Runner], Runner] | None = None,
-                    **kwargs: object) -> AsyncEngine:
-        """An AsyncEngine whose thread loads the model described by `config` when started."""
-        return cls(lambda: _load_for_serving(config, wrap_runner), **kwargs)  # type: ignore[arg-type]
+                    tokenizer: Tokenizer | None = None, **kwargs: object) -> AsyncEngine:
+        """An AsyncEngine whose thread loads the model described by `config` when started (grammars
+        built on `tokenizer`, when the caller has loaded it)."""
+        return cls(lambda: _load_for_serving(config, wrap_runner, tokenizer), **kwargs)  # type: ignore[arg-type]
 
     # ---- lifecycle (event loop) ----------------------------------------------------------------
 
@@ -569,10 +574,12 @@ def _info_of(engine: Engine) -> EngineInfo:
         eos_token_ids=tuple(runner.eos_token_ids))
 
 
-def _load_for_serving(config: EngineConfig, wrap_runner: Callable[[Runner], Runner] | None) -> Engine:
-    """Load the engine and make its KV pool resident, so the server's memory is flat from the start."""
-    engine = Engine.from_config(config, wrap_runner=wrap_runner)
+def _load_for_serving(config: EngineConfig, wrap_runner: Callable[[Runner], Runner] | None,
+                      tokenizer: Tokenizer | None) -> Engine:
+    """Load the engine, make its KV pool resident (the server's memory is flat from the start) and
+    build the grammar backend's tokenizer info before the first step (see its warm_up)."""
+    engine = Engine.from_config(config, wrap_runner=wrap_runner, tokenizer=tokenizer)
     engine.prefault_kv_cache()
-    if engine.structured_outputs is not None:  # the grammar backend's tokenizer info, built in the background
+    if engine.structured_outputs is not None:
         engine.structured_outputs.warm_up()
     return engine

@@ -22,6 +22,7 @@ from cobatch.wait_reasons import SequenceWaitStatus, StepWaits
 
 if TYPE_CHECKING:
     from cobatch.structured_output.bitmask import GrammarBitmask  # torch: only where a model runs
+    from cobatch.tokenizer import Tokenizer
 
 # A step with no row while grammars compile waits this long for one to finish (instead of spinning).
 _COMPILE_WAIT_S = 0.02
@@ -98,8 +99,10 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, stats_history: int | None = 4096,
-                    wrap_runner: Callable[[Runner], Runner] | None = None) -> Engine:
-        """Load the model, size the KV pools, and build the engine (its runner wrapped, if asked)."""
+                    wrap_runner: Callable[[Runner], Runner] | None = None,
+                    tokenizer: Tokenizer | None = None) -> Engine:
+        """Load the model, size the KV pools, and build the engine (its runner wrapped, if asked;
+        grammars built on `tokenizer`, when the caller has loaded the model's already)."""
         from cobatch.runner.model_runner import ModelRunner  # torch only where a model runs
 
         runner: Runner = ModelRunner.load(config)
@@ -107,7 +110,7 @@ class Engine:
             runner = wrap_runner(runner)
         scheduler_config = config.scheduler_config(
             runner.num_kv_blocks, runner.num_swap_blocks, runner.max_model_len)
-        structured = StructuredOutputManager(load_backend(config.model, runner.eos_token_ids))
+        structured = StructuredOutputManager(load_backend(config.model, runner.eos_token_ids, tokenizer))
         return cls(runner, scheduler_config, stats_history, structured)
 
     def prefault_kv_cache(self) -> None:

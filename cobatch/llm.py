@@ -22,8 +22,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options: object) -> None:
         self.config = EngineConfig(model=model, **engine_options)  # type: ignore[arg-type]
-        self.engine = Engine.from_config(self.config, stats_history=None)
         self.tokenizer = Tokenizer.load(self.config.model)
+        self.engine = Engine.from_config(self.config, stats_history=None, tokenizer=self.tokenizer)
         self._ids = itertools.count()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

@@ -9,6 +9,7 @@ columns of a padded vocabulary.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -18,11 +19,13 @@ import jsonschema
 import pytest
 import torch
 
+from cobatch.async_engine import AsyncEngine, EngineState
 from cobatch.config import EngineConfig
 from cobatch.engine import Engine
 from cobatch.sampling_params import SamplingParams, StructuredOutputsParams
 from cobatch.structured_output.bitmask import GrammarBitmask
 from cobatch.structured_output.compiler import GrammarCompiler
+from cobatch.tokenizer import Tokenizer
 from cobatch.wait_reasons import GRAMMAR_COMPILING
 
 SCHEMA = {"type": "object", "properties": {
@@ -143,6 +146,30 @@ def test_constrained_rows_do_not_speculate(tiny_model_dir: Path) -> None:
     out = run(engine)
     assert engine.scheduler_stats.num_draft_tokens_total == 0
     jsonschema.validate(json.loads(decode(engine, out["c"][0])), SCHEMA)
+
+
+def test_a_served_engine_is_ready_only_with_its_grammar_backend_built_on_the_given_tokenizer(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Built beside the first steps, the tokenizer info held the GIL for seconds (~100x slower steps,
+    # learned by the step-time model); and the server's tokenizer is reused, not loaded again.
+    tokenizer = Tokenizer.load(tiny_model_dir)
+    monkeypatch.setattr(Tokenizer, "load", classmethod(lambda cls, model=None: pytest.fail("loaded again")))
+    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=1,  # type: ignore[arg-type]
+                          max_model_len=256, num_kv_blocks=32)
+
+    async def start_and_look() -> bool:
+        engine = AsyncEngine.from_config(config, tokenizer=tokenizer)
+        engine.start()
+        try:
+            while engine.state == EngineState.STARTING:
+                await asyncio.sleep(0.01)
+            assert engine.state == EngineState.READY
+            backend = engine._engine.structured_outputs.compiler.backend  # type: ignore[union-attr]
+            return backend.done() and backend.exception() is None
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(asyncio.wait_for(start_and_look(), timeout=120))
 
 
 def test_bitmask_masks_exactly_the_disallowed_tokens_in_one_op() -> None:

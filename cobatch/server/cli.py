@@ -188,7 +188,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSetti
     if tracer is False:
         return 2
     async_engine = AsyncEngine.from_config(
-        config, wrap_runner=faults.wrap if faults else None,
+        config, wrap_runner=faults.wrap if faults else None, tokenizer=tokenizer,
         metrics=EngineMetrics(name), watchdog_timeout_s=args.watchdog_timeout,
         on_ready=lambda info: _banner(name, info, url, settings),
         on_dead=lambda reason: _on_dead(reason, exit_state, holder["server"]),

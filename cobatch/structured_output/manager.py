@@ -14,14 +14,17 @@ from cobatch.structured_output.request_grammar import RequestGrammar
 
 if TYPE_CHECKING:
     from cobatch.structured_output.bitmask import GrammarBitmask
+    from cobatch.tokenizer import Tokenizer
 
 
-def load_backend(model: str | None, eos_token_ids: tuple[int, ...]) -> Callable[[], GrammarBackend]:
-    """A loader of the backend for `model`'s tokenizer (run on the compiler's thread)."""
+def load_backend(model: str | None, eos_token_ids: tuple[int, ...],
+                 tokenizer: Tokenizer | None = None) -> Callable[[], GrammarBackend]:
+    """A loader of the backend for `model`'s tokenizer (run on the compiler's thread): `tokenizer` when
+    the caller has loaded it already (a server has: loading a GGUF's again takes seconds)."""
     def make() -> GrammarBackend:
         from cobatch.tokenizer import Tokenizer  # transformers: only once someone asks for a grammar
 
-        return GrammarBackend(Tokenizer.load(model).hf, eos_token_ids)
+        return GrammarBackend((tokenizer or Tokenizer.load(model)).hf, eos_token_ids)
     return make
 
 
@@ -40,8 +43,13 @@ class StructuredOutputManager:
         return self._compiler
 
     def warm_up(self) -> None:
-        """Start building the tokenizer info now, off the engine thread (a server does at start-up)."""
-        _ = self.compiler
+        """Build the tokenizer info now and wait for it (a server does, before it is ready).
+
+        Why wait: built beside the first steps, it held the GIL for seconds and made them ~100x slower,
+        which the step-time model then learned as per-token cost (429s for reachable deadlines). A
+        failed build is not raised here: it fails each constrained request, as on first use.
+        """
+        wait([self.compiler.backend])
 
     def grammar_for(self, seq_id: str, params: StructuredOutputsParams) -> RequestGrammar:
         """A fresh grammar state for one sequence (its compile is shared, cached by constraint)."""
