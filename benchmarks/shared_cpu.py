@@ -41,6 +41,10 @@ _READY_TIMEOUT_S = 300.0
 _SETTLE_S = 0.5  # the neighbour is running and the scheduler has seen it before the load starts
 _COMMON_FLAGS = ("--kv-cache-memory-gb", "0.5")  # plenty for these loads; several servers fit in memory
 _QUIET_CORES = 0.3  # an "idle" measurement waits (a while) for the other sessions' work to drop below this
+# ... over this many 1 s windows in a row: "idle" is a machine that has been idle, not one whose
+# neighbour (or the other setup's server) left a moment ago; the adaptive policy takes a thread back
+# ~2 s after that when the server is idle (one idle poll, then up_after_s), and that lag is not idle speed.
+_QUIET_WINDOWS = 3
 _SPIN = "while True:\n    pass\n"
 _THREAD_CHANGE = re.compile(r"compute threads (\d+ -> \d+)")
 
@@ -157,13 +161,13 @@ def _process_cpu_s(pid: int) -> float:
 
 
 def wait_for_quiet(server_pid: int, max_wait_s: float) -> float:
-    """Wait (1 s windows, up to max_wait_s) until the background uses under _QUIET_CORES; the seconds waited."""
-    meter, started = CpuMeter({"server": server_pid}), time.monotonic()
-    while time.monotonic() - started < max_wait_s:
+    """Wait (1 s windows, up to max_wait_s) until the background has used under _QUIET_CORES for
+    _QUIET_WINDOWS windows in a row; the seconds waited."""
+    meter, started, quiet = CpuMeter({"server": server_pid}), time.monotonic(), 0
+    while quiet < _QUIET_WINDOWS and time.monotonic() - started < max_wait_s:
         start = meter.read()
         time.sleep(1.0)
-        if meter.cores(start, meter.read())["background"] < _QUIET_CORES:
-            break
+        quiet = quiet + 1 if meter.cores(start, meter.read())["background"] < _QUIET_CORES else 0
     return time.monotonic() - started
 
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 1.0  # an idle engine thread wakes this often (only to notice a stop)
+_IDLE_POLL_S = 1.0  # an idle engine thread wakes this often: to notice a stop, and for the thread policy
 _QUERY_TIMEOUT_S = 30.0  # a question to the engine thread waits at most its current step
 
 
@@ -479,6 +479,8 @@ class AsyncEngine:
             commands = self._next_commands(block=not engine.has_unfinished_requests())
             if not engine.has_unfinished_requests():
                 self._last_progress = time.monotonic()  # idle until now: nothing was late
+                if not commands:  # a whole poll with nothing to do
+                    engine.on_idle()
             deltas: list[RequestDelta] = []
             rejected: list[tuple[str, str]] = []
             for command in commands:

@@ -113,6 +113,12 @@ class Engine:
         structured = StructuredOutputManager(load_backend(config.model, runner.eos_token_ids, tokenizer))
         return cls(runner, scheduler_config, stats_history, structured)
 
+    def on_idle(self) -> None:
+        """Called by a serving loop that waited a poll with nothing to run (ModelRunner.on_idle)."""
+        on_idle = getattr(self.runner, "on_idle", None)
+        if on_idle is not None:
+            on_idle()
+
     def prefault_kv_cache(self) -> None:
         """Make the KV pool resident before serving (see ModelRunner.prefault_kv_cache)."""
         prefault = getattr(self.runner, "prefault_kv_cache", None)

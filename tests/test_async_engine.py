@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
+from cobatch import async_engine
 from cobatch.async_engine import (AsyncEngine, EngineDeadError, EngineState, RequestFailedError,
                                   RequestStream)
 from cobatch.config import SchedulerConfig
@@ -63,6 +64,27 @@ def test_one_request_streams_its_tokens_and_metrics_see_it() -> None:
         assert deltas[-1].finish_reason == "length"
         assert engine.snapshot.scheduler.num_kv_blocks_used == 0 and engine.num_live_requests == 0
         assert b'cobatch:generation_tokens_total{model_name="fake"} 4.0' in metrics.render()[0]
+        await engine.shutdown()
+    run(main())
+
+
+def test_an_idle_engine_lets_the_runner_look_at_the_machine_each_poll(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread policy samples the CPUs while nothing runs (ModelRunner.on_idle), not only before steps:
+    a neighbour that left while the engine was idle must not cost the next requests a thread."""
+    monkeypatch.setattr(async_engine, "_IDLE_POLL_S", 0.02)
+    idle_calls: list[float] = []
+
+    def factory() -> Engine:
+        engine = make_engine()
+        engine.runner.on_idle = lambda: idle_calls.append(1.0)  # type: ignore[attr-defined]
+        return engine
+
+    async def main() -> None:
+        engine = await started(factory)
+        await asyncio.sleep(0.3)
+        assert len(idle_calls) >= 3  # every empty poll
+        await collect(engine.add("r1", PROMPT, params(max_tokens=4)))
         await engine.shutdown()
     run(main())
 

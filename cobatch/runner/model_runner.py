@@ -109,6 +109,12 @@ class ModelRunner:
         for layer in self.kv_cache:  # one layer at a time keeps the memset cache-friendly
             layer.zero_()
 
+    def on_idle(self) -> None:
+        """The engine has had nothing to run for a while: the thread policy looks at the machine now,
+        so that a neighbour that left while nothing ran does not cost the next requests a thread."""
+        if self.thread_governor is not None:
+            self.thread_governor.before_step()
+
     def _allocate_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         c = self.model_config
         shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)

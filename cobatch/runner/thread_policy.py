@@ -11,6 +11,8 @@ The policy watches, window by window, how many cores something other than this p
 hysteresis, because the costs are: a thread too many under contention costs up to ~95x, a thread too
 few on a free machine at most the parallel speed-up. So it drops at the first contended window and
 comes back only after `up_after_s` of windows that leave the extra thread a core (`floor(free + 0.2)`).
+An idle engine samples too (each idle poll: one long window), so a neighbour that left while nothing
+ran does not cost the next requests their thread.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ class ThreadGovernor:
         return cls(ThreadPolicy(max_threads, len(cpus)), cpus, set_threads)
 
     def before_step(self) -> int:
-        """Call on the thread that runs the step (thread counts are per thread); the count it runs with."""
+        """Call on the thread that runs the step (thread counts are per thread), before each step and
+        once in a while when idle; the count it runs with."""
         threads = self.policy.num_threads
         if self.policy.is_due(time.monotonic()):
             sample = read_cpu_sample(self.cpus)
