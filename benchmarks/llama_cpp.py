@@ -18,13 +18,16 @@ bf16. JSON + plot.
     .venv/bin/python -m benchmarks.llama_cpp --llama-cpp DIR [--shapes smollm2-135m,qwen2.5-0.5b]
         [--formats bf16,q8_0,q4_0] [--threads 1] [--repeats 1] [--work-dir /tmp/llama_cpp_shapes]
 
-DIR is a llama.cpp tree with `build/bin/llama-server` built (docs/BENCHMARKS.md says how).
+DIR is a llama.cpp tree with `build/bin/llama-server` built (docs/BENCHMARKS.md says how). Cells are
+merged into an existing --json of the same loads: a re-run of some shapes or formats replaces those and
+keeps the rest, each cell with its own date.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
@@ -235,14 +238,14 @@ def main() -> int:
     parser.add_argument("--plot", default=str(ROOT / "docs/img/llama_cpp_shapes.png"))
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    results = []
+    results = earlier_results(Path(args.json), args)
     for shape in args.shapes.split(","):
         files = gguf_files(shape, args.formats.split(","), args.work_dir, args.llama_cpp)
         for fmt, path in files.items():
             print(f"{shape} {fmt}: {path}", flush=True)
             bandwidth = read_bandwidth(args.threads)
             summary = summarize(fmt, path, run_file(path, args, args.work_dir), bandwidth)
-            results.append({"shape": shape, **summary})
+            results = merged(results, {"shape": shape, "date": time.strftime("%Y-%m-%d %H:%M"), **summary})
             print(f"{shape} {fmt}: cobatch / llama-server one stream {summary['single_ratio']:.2f}x, batch "
                   f"{summary['batch_ratio']:.2f}x; one stream of roofline: cobatch "
                   f"{summary['cobatch_single_of_roofline']:.0%}, llama-server "
@@ -252,6 +255,26 @@ def main() -> int:
     print(markdown(results))
     print(f"wrote {args.json} and {args.plot}")
     return 0
+
+
+def earlier_results(path: Path, args: argparse.Namespace) -> list[dict]:
+    """The cells of an earlier run of the same loads in `path` (a re-run of some cells keeps the others,
+    each with its own date); none when the file is absent or measured other loads."""
+    if not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    same = {k: v for k, v in _machine(args).items() if k not in ("date", "repeats")}
+    if any(earlier.get("machine", {}).get(k) != v for k, v in same.items()):
+        return []
+    return [{"date": earlier["machine"].get("date"), **r} for r in earlier.get("results", [])]
+
+
+def merged(results: list[dict], cell: dict) -> list[dict]:
+    """`results` with `cell` in place of the earlier one of its shape and format (appended if new)."""
+    key = (cell["shape"], cell["format"])
+    if all((r["shape"], r["format"]) != key for r in results):
+        return [*results, cell]
+    return [cell if (r["shape"], r["format"]) == key else r for r in results]
 
 
 def _machine(args: argparse.Namespace) -> dict:

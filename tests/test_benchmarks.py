@@ -99,3 +99,12 @@ def test_a_shape_with_a_smaller_vocabulary_gets_the_tokenizer_cut_to_it(tmp_path
     ids = cut.encode(text).ids
     assert cut.get_vocab_size() == 1000 and max(ids) < 1000 and len(ids) > len(full.encode(text).ids)
     assert cut.decode(ids) == text
+
+
+def test_llama_cpp_cells_re_measured_replace_theirs_and_keep_the_others() -> None:
+    from benchmarks.llama_cpp import merged
+
+    cells = [{"shape": "a", "format": "bf16", "v": 1}, {"shape": "a", "format": "q8_0", "v": 2}]
+    cells = merged(cells, {"shape": "a", "format": "q8_0", "v": 3})
+    assert cells == [{"shape": "a", "format": "bf16", "v": 1}, {"shape": "a", "format": "q8_0", "v": 3}]
+    assert merged(cells, {"shape": "b", "format": "bf16", "v": 4})[-1]["shape"] == "b"
