@@ -13,10 +13,12 @@ two servers alternates per repeat (the host is shared and noisy: compare the rat
 one-stream decode is the read bandwidth (measured here, the servers' thread count) over the bytes a
 token reads: the file's matrices (the embedding table only when it is also the lm_head). cobatch on a
 CPU without AVX512-BF16 computes a bf16 file in fp32 (it reads twice the file's bytes); llama.cpp keeps
-bf16. JSON + plot.
+bf16. The ceiling of a batch is compute: every multiply-add of its linear layers (prompts and outputs,
+macs_per_output_token) at this CPU's one-thread peak of the instruction it needs (benchmarks/cpu_peak.py:
+int8 dot products for quantized files, fp32 FMAs for dense ones). JSON + plot.
 
     .venv/bin/python -m benchmarks.llama_cpp --llama-cpp DIR [--shapes smollm2-135m,qwen2.5-0.5b]
-        [--formats bf16,q8_0,q4_0] [--threads 1] [--repeats 1] [--work-dir /tmp/llama_cpp_shapes]
+        [--formats bf16,q8_0,q4_0] [--threads 1] [--repeats 1] [--work-dir /tmp/llama_cpp_shapes] [--report]
 
 DIR is a llama.cpp tree with `build/bin/llama-server` built (docs/BENCHMARKS.md says how). Cells are
 merged into an existing --json of the same loads: a re-run of some shapes or formats replaces those and
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -36,6 +39,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from benchmarks.cpu_peak import ComputePeaks
+from benchmarks.cpu_peak import measure as measure_peaks
 from benchmarks.shapes import SHAPES, write_checkpoint
 from benchmarks.shared_cpu import workload
 from cobatch.bench.common import write_json
@@ -102,6 +107,28 @@ def bytes_per_token(path: Path) -> int:
     tied = not any(t.name == "output.weight" for t in tensors)
     return sum(int(t.n_bytes) for t in tensors
                if len(t.shape) == 2 and (tied or t.name != "token_embd.weight"))
+
+
+def macs_per_output_token(path: Path, input_len: int, output_len: int) -> float:
+    """Multiply-adds of the linear layers per output token of one request of the loads: its prompt through
+    every matrix but the lm_head, the lm_head once per output token, the other output tokens but the
+    last through the rest (attention's few MACs at these lengths are left out: the ceiling is generous)."""
+    import gguf
+
+    tensors = [t for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2]
+    lm_head = next((t for t in tensors if t.name == "output.weight"), None) or \
+        next(t for t in tensors if t.name == "token_embd.weight")
+    body = sum(int(t.shape[0]) * int(t.shape[1]) for t in tensors
+               if t.name not in ("output.weight", "token_embd.weight"))
+    head = int(lm_head.shape[0]) * int(lm_head.shape[1])
+    return ((input_len + output_len - 1) * body + output_len * head) / output_len
+
+
+def batch_ceiling_tok_s(fmt: str, macs_per_token: float, peaks: ComputePeaks) -> float:
+    """Output tok/s of a batch whose every multiply-add ran at the peak of the instruction it needs: int8
+    dot products for quantized weights, fp32 FMAs for dense ones (this CPU has no bf16 arithmetic)."""
+    rate = peaks.int8_macs_per_s if fmt in QUANTIZED else peaks.fp32_macs_per_s
+    return rate / macs_per_token
 
 
 def read_bandwidth(threads: int, nbytes: int = 1 << 29, reps: int = 5) -> float:
@@ -186,17 +213,33 @@ def summarize(fmt: str, path: Path, result: dict[str, dict], bandwidth: float) -
     return summary
 
 
+def with_batch_ceilings(results: list[dict], peaks: ComputePeaks | None, args: argparse.Namespace) -> list[dict]:
+    """Each cell with its batch ceiling (batch_ceiling_tok_s) and both servers' batch share of it."""
+    if peaks is None:
+        return results
+    out = []
+    for r in results:
+        macs = macs_per_output_token(args.work_dir / r["file"], args.input_len, args.output_len)
+        ceiling = batch_ceiling_tok_s(r["format"], macs, peaks)
+        out.append({**r, "batch_ceiling_tok_s": ceiling, "macs_per_output_token": macs,
+                    **{f"{s}_batch_of_ceiling": r["servers"][s]["batch"]["tok_s"] / ceiling for s in SERVERS}})
+    return out
+
+
 def markdown(results: list[dict]) -> str:
-    """The docs' table: tok/s of both servers, the ratios and the one-stream roofline shares."""
+    """The docs' table: tok/s of both servers, the ratios, the one-stream roofline and batch ceiling shares."""
     head = ("| shape | format | one stream: llama-server | cobatch | ratio | of roofline (llama / cobatch) "
-            "| batch: llama-server | cobatch | ratio |\n|---|---|---|---|---|---|---|---|---|")
+            "| batch: llama-server | cobatch | ratio | of ceiling (llama / cobatch) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for r in results:
         tok = {s: (r["servers"][s]["single"]["tok_s"], r["servers"][s]["batch"]["tok_s"]) for s in SERVERS}
+        ceiling = (f"{r['llama-server_batch_of_ceiling']:.0%} / {r['cobatch_batch_of_ceiling']:.0%}"
+                   if "batch_ceiling_tok_s" in r else "")
         rows.append(f"| {r['shape']} | {r['format']} | {tok['llama-server'][0]:.1f} | {tok['cobatch'][0]:.1f} | "
                     f"{r['single_ratio']:.2f}x | {r['llama-server_single_of_roofline']:.0%} / "
                     f"{r['cobatch_single_of_roofline']:.0%} | {tok['llama-server'][1]:.1f} | "
-                    f"{tok['cobatch'][1]:.1f} | {r['batch_ratio']:.2f}x |")
+                    f"{tok['cobatch'][1]:.1f} | {r['batch_ratio']:.2f}x | {ceiling} |")
     return "\n".join([head, *rows])
 
 
@@ -236,10 +279,12 @@ def main() -> int:
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/llama_cpp_shapes"))
     parser.add_argument("--json", default=str(ROOT / "docs/bench/llama_cpp_shapes.json"))
     parser.add_argument("--plot", default=str(ROOT / "docs/img/llama_cpp_shapes.png"))
+    parser.add_argument("--report", action="store_true",
+                        help="run no server: re-read --json, measure the compute peaks, rewrite JSON, plot, table")
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     results = earlier_results(Path(args.json), args)
-    for shape in args.shapes.split(","):
+    for shape in [] if args.report else args.shapes.split(","):
         files = gguf_files(shape, args.formats.split(","), args.work_dir, args.llama_cpp)
         for fmt, path in files.items():
             print(f"{shape} {fmt}: {path}", flush=True)
@@ -251,6 +296,10 @@ def main() -> int:
                   f"{summary['cobatch_single_of_roofline']:.0%}, llama-server "
                   f"{summary['llama-server_single_of_roofline']:.0%}", flush=True)
             write_json(args.json, {"machine": _machine(args), "results": results})  # partial results kept
+    peaks = measure_peaks()  # after the servers: nothing else runs
+    results = with_batch_ceilings(results, peaks, args)
+    write_json(args.json, {"machine": {**_machine(args), **({"peaks": dataclasses.asdict(peaks)} if peaks else {})},
+                           "results": results})
     plot(results, Path(args.plot))
     print(markdown(results))
     print(f"wrote {args.json} and {args.plot}")

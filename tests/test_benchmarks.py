@@ -108,3 +108,24 @@ def test_llama_cpp_cells_re_measured_replace_theirs_and_keep_the_others() -> Non
     cells = merged(cells, {"shape": "a", "format": "q8_0", "v": 3})
     assert cells == [{"shape": "a", "format": "bf16", "v": 1}, {"shape": "a", "format": "q8_0", "v": 3}]
     assert merged(cells, {"shape": "b", "format": "bf16", "v": 4})[-1]["shape"] == "b"
+
+
+def test_a_batch_ceiling_counts_prompt_and_output_multiply_adds_at_the_formats_peak(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    from benchmarks.cpu_peak import ComputePeaks
+    from benchmarks.llama_cpp import batch_ceiling_tok_s, macs_per_output_token
+
+    path = tmp_path / "tied.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((10, 4), dtype=np.float32))  # the lm_head too: tied
+    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((8, 4), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    # 3 prompt + 2 output tokens: 4 pass the body (32 MACs each), 2 the lm_head (40 each), per output token
+    macs = macs_per_output_token(path, input_len=3, output_len=2)
+    assert macs == (4 * 32 + 2 * 40) / 2
+    peaks = ComputePeaks(int8_macs_per_s=208.0, fp32_macs_per_s=52.0)
+    assert batch_ceiling_tok_s("q4_0", macs, peaks) == 2.0 and batch_ceiling_tok_s("bf16", macs, peaks) == 0.5

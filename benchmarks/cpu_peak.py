@@ -1,0 +1,97 @@
+"""This CPU's compute peaks on one thread: int8 multiply-adds (AVX-512 VNNI's vpdpbusd) and fp32 FMAs (AVX-512F).
+
+What a batch's ceiling is made of: at batch 16 a decode step is compute-bound, so no engine serves a
+batch faster than its multiply-adds over the peak rate of the instruction it needs (int8 dot products
+for Q8_0 / Q4_0 weights against int8-quantized activations; fp32 FMAs for bf16 weights on a CPU without
+AVX512-BF16, where both cobatch and llama.cpp widen bf16 to fp32). Measured by a C loop of 12
+independent accumulators (no loads, nothing but the instruction), compiled here with the system's C
+compiler, timed for ~0.5 s each, the best of 5 runs.
+
+    .venv/bin/python -m benchmarks.cpu_peak
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cobatch.kernels.cpu import cpu_flags
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <stdio.h>
+#include <time.h>
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+int main(void) {
+    const long reps = 100000000;
+    __m512i a[12], b = _mm512_set1_epi8(1), c = _mm512_set1_epi8(1);
+    for (int i = 0; i < 12; i++) a[i] = _mm512_setzero_si512();
+    double t = now();
+    for (long r = 0; r < reps; r++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
+        __asm__ volatile("" : "+v"(b));
+    }
+    const double int8_s = now() - t;
+    __m512 f[12], x = _mm512_set1_ps(0.5f), y = _mm512_set1_ps(0.25f);
+    for (int i = 0; i < 12; i++) f[i] = _mm512_setzero_ps();
+    t = now();
+    for (long r = 0; r < reps; r++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) f[i] = _mm512_fmadd_ps(f[i], x, y);
+        __asm__ volatile("" : "+v"(x));
+    }
+    const double fp32_s = now() - t;
+    __m512i sa = a[0];
+    __m512 sf = f[0];
+    for (int i = 1; i < 12; i++) sa = _mm512_add_epi32(sa, a[i]), sf = _mm512_add_ps(sf, f[i]);
+    printf("%.6e %.6e %d %f\n", reps * 12.0 * 64 / int8_s, reps * 12.0 * 16 / fp32_s,
+           _mm512_reduce_add_epi32(sa), _mm512_reduce_add_ps(sf));
+    return 0;
+}
+"""
+
+
+_RUNS = 5  # ~0.7 s each
+
+
+@dataclass(frozen=True, slots=True)
+class ComputePeaks:
+    """Multiply-adds per second on one thread."""
+
+    int8_macs_per_s: float
+    fp32_macs_per_s: float
+
+
+def measure() -> ComputePeaks | None:
+    """Both peaks (the best of _RUNS runs: a peak, on a shared host), or None where there is no AVX-512
+    VNNI or no C compiler."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not {"avx512f", "avx512_vnni"} <= cpu_flags():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        source, binary = Path(tmp) / "peak.c", Path(tmp) / "peak"
+        source.write_text(_SOURCE)
+        subprocess.run([compiler, "-O2", "-march=native", str(source), "-o", str(binary)], check=True,
+                       capture_output=True, timeout=120)
+        runs = [subprocess.run([str(binary)], check=True, capture_output=True, text=True, timeout=120).stdout.split()
+                for _ in range(_RUNS)]
+    return ComputePeaks(max(float(r[0]) for r in runs), max(float(r[1]) for r in runs))
+
+
+def main() -> int:
+    peaks = measure()
+    if peaks is None:
+        print("needs AVX-512 VNNI and a C compiler", file=sys.stderr)
+        return 1
+    print(f"one thread: int8 {peaks.int8_macs_per_s / 1e9:.1f} GMAC/s (vpdpbusd), "
+          f"fp32 {peaks.fp32_macs_per_s / 1e9:.1f} GFMA/s (vfmadd, 16 lanes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
