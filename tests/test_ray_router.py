@@ -290,6 +290,49 @@ def test_a_request_finished_since_the_last_record_no_longer_loads_its_replica() 
     assert state.ledger.finished_load("r1").num_requests == 0
 
 
+def test_a_record_taken_mid_prefill_shows_no_queue_once_that_request_finished() -> None:
+    state = state_with(fake_stats("r1"), fake_stats("r2"))
+    prompt = SYSTEM_PROMPT + [7] * 4
+    assert state.decide(query("warm", prompt), ["r1", "r2"], NOW).chosen == "r1"
+    # r1's next record is measured while its prefill is under way, then it finishes.
+    state.update_stats(fake_stats("r1", time_s=NOW + 0.5, num_running=1, num_running_tokens=64,
+                                  num_running_prefill_tokens=40, num_kv_blocks_free=1008))
+    state.complete("warm", NOW + 0.6)
+    decision = state.decide(query("next", SYSTEM_PROMPT + [8] * 4), ["r1", "r2"], NOW + 0.7)
+    by_id = {c.replica_id: c for c in decision.candidates}
+    assert decision.chosen == "r1" and by_id["r1"].num_queued_tokens == 0
+    assert by_id["r1"].ttft_s < by_id["r2"].ttft_s
+
+
+def test_a_request_that_finishes_right_after_a_record_within_the_arrival_margin_leaves_it() -> None:
+    state = state_with(fake_stats("r1"), fake_stats("r2"))
+    assert state.decide(query("q", list(range(16))), ["r1", "r2"], NOW).chosen == "r1"
+    # Measured just after the decision: it may not show q, so q stays in flight...
+    state.update_stats(fake_stats("r1", time_s=NOW + ARRIVAL_MARGIN_S / 2, num_waiting=1,
+                                  num_waiting_requests=1, num_waiting_tokens=16))
+    assert state.ledger.load("r1").num_requests == 1
+    # ...but it does show it, and once q finishes nothing of it loads r1.
+    state.complete("q", NOW + 0.2)
+    assert state.ledger.load("r1").num_requests == 0
+    assert state.ledger.finished_load("r1").num_requests == 1
+    decision = state.decide(query("q2", list(range(100, 116))), ["r1", "r2"], NOW + 0.3)
+    assert {c.replica_id: c.num_queued_tokens for c in decision.candidates} == {"r1": 0, "r2": 0}
+
+
+def test_a_record_measured_before_a_finish_but_arriving_after_it_is_corrected() -> None:
+    state = state_with(fake_stats("r1"), fake_stats("r2"))
+    assert state.decide(query("q", list(range(16))), ["r1", "r2"], NOW).chosen == "r1"
+    state.complete("q", NOW + 0.3)  # done before any record showed it...
+    # ...and then the record measured mid-prefill (through Serve's controller, late) arrives.
+    state.update_stats(fake_stats("r1", time_s=NOW + 0.1, num_running=1, num_running_tokens=16,
+                                  num_running_prefill_tokens=12))
+    decision = state.decide(query("q2", list(range(100, 116))), ["r1", "r2"], NOW + 0.4)
+    by_id = {c.replica_id: c for c in decision.candidates}
+    assert by_id["r1"].num_queued_tokens == 0 and by_id["r1"].ttft_s == by_id["r2"].ttft_s
+    state.update_stats(fake_stats("r1", time_s=NOW + 0.5))  # measured after the finish: nothing off
+    assert state.ledger.finished_load("r1").num_requests == 0
+
+
 def test_stale_stats_are_marked_penalised_and_keep_local_bookkeeping() -> None:
     state = state_with(fake_stats("r1", time_s=NOW - 3.0), fake_stats("r2", time_s=NOW - 3.0))
     for i in range(4):

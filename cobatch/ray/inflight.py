@@ -60,6 +60,7 @@ class InFlightLedger:
         self._replica_of: dict[str, str] = {}  # request id -> replica id, of the unreported
         self._reported: OrderedDict[str, InFlightRequest] = OrderedDict()  # in stats, not done yet
         self._finished: dict[str, list[tuple[float, InFlightRequest]]] = {}  # replica -> (when, what)
+        self._last_record_s: dict[str, float] = {}  # replica -> when its last record was measured
         self._max_reported = max_reported  # a request routed but never dispatched never completes
 
     def add(self, request: InFlightRequest) -> None:
@@ -69,10 +70,18 @@ class InFlightLedger:
         self._replica_of[request.request_id] = request.replica_id
 
     def complete(self, request_id: str, now_s: float) -> None:
-        """The request is done: no more load, and off its replica's stats until a newer record."""
-        request = self._reported.pop(request_id, None)
+        """The request is done: no more load, and off its replica's records measured before now.
+
+        Kept whether or not a record has shown it yet: records reach the router late (through
+        Serve's controller), so one measured mid-prefill may arrive after the request finished.
+        """
+        request = self._reported.get(request_id)
+        if request is None and request_id in self._replica_of:
+            request = self._by_replica[self._replica_of[request_id]][request_id]
         if request is not None:
-            self._finished.setdefault(request.replica_id, []).append((now_s, request))
+            finished = self._finished.setdefault(request.replica_id, [])
+            finished.append((now_s, request))
+            del finished[:-self._max_reported]  # a replica that never reports again
         self._drop(request_id)
 
     def _drop(self, request_id: str) -> None:
@@ -84,6 +93,7 @@ class InFlightLedger:
     def retire_reflected(self, replica_id: str, stats_time_s: float) -> None:
         """A record measured at `stats_time_s` counts the requests that arrived before it, and no
         longer counts the ones that finished before it."""
+        self._last_record_s[replica_id] = stats_time_s
         entries = self._by_replica.get(replica_id, {})
         for request_id in [rid for rid, r in entries.items()
                            if r.routed_s + ARRIVAL_MARGIN_S <= stats_time_s]:
@@ -104,8 +114,13 @@ class InFlightLedger:
         return total_load(self._by_replica.get(replica_id, {}).values())
 
     def finished_load(self, replica_id: str) -> InFlightLoad:
-        """What the replica's last record shows but has finished since."""
-        return total_load(r for _, r in self._finished.get(replica_id, ()))
+        """What the replica's last record shows but has finished since: measured after the request
+        was routed (within ARRIVAL_MARGIN_S of it, it most likely shows it: an actor call takes
+        milliseconds) and before it finished."""
+        last_s = self._last_record_s.get(replica_id)
+        if last_s is None:
+            return InFlightLoad()
+        return total_load(r for _, r in self._finished.get(replica_id, ()) if r.routed_s <= last_s)
 
     def remove_replica(self, replica_id: str) -> list[InFlightRequest]:
         """Forget a dead replica's entries; returns the unreported ones (the requests heading there)."""
@@ -115,6 +130,7 @@ class InFlightLedger:
         for request_id in [rid for rid, r in self._reported.items() if r.replica_id == replica_id]:
             del self._reported[request_id]
         self._finished.pop(replica_id, None)
+        self._last_record_s.pop(replica_id, None)
         return entries
 
     def __len__(self) -> int:
