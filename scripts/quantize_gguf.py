@@ -5,13 +5,18 @@ end-to-end test inputs (tests/test_quantized_model.py) and the llama.cpp compari
 (docs/BENCHMARKS.md, Quantized weights). Every 2-D tensor is requantized from its dequantized values:
 Q8_0 and Q4_0 with gguf-py's reference quantizer, Q4_K with models/quantization.py's plain one. As
 llama-quantize does, a matrix whose rows do not split into Q4_K's 256-weight super-blocks falls back to
-a 32-block format (here Q4_0; llama.cpp picks Q5_0); 1-D tensors (norms) stay F32.
+a 32-block format (here Q4_0; llama.cpp picks Q5_0); 1-D tensors (norms) stay F32. `--tensor-type
+REGEX=TYPE` (as llama-quantize's) writes the matrices whose GGUF name matches REGEX in TYPE instead, also
+in a type the kernel does not serve (q5_0, q5_1, q4_1: gguf-py quantizes them): the mixed files that
+llama-quantize's Q4_K_M and the like are.
 
-    .venv/bin/python scripts/quantize_gguf.py OUT.gguf --type q8_0|q4_0|q4_k [--model IN.gguf]
+    .venv/bin/python scripts/quantize_gguf.py OUT.gguf --type q8_0|q4_0|q4_k [--model IN.gguf] \
+        [--tensor-type 'blk\.0\.attn_v=q5_0' ...]
 """
 from __future__ import annotations
 
 import argparse
+import re
 
 import gguf
 import numpy as np
@@ -24,6 +29,25 @@ from cobatch.models.quantization import GGUF_TYPES, quantize
 _FILE_TYPES = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
                "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S}
 _FALLBACK = "q4_0"  # for a Q4_K file's matrices with K % 256 != 0
+_OTHER_TYPES = {"q5_0": gguf.GGMLQuantizationType.Q5_0, "q5_1": gguf.GGMLQuantizationType.Q5_1,
+                "q4_1": gguf.GGMLQuantizationType.Q4_1}  # for --tensor-type: gguf-py quantizes them
+
+
+def _blocks(values: np.ndarray, fmt: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    if fmt in _OTHER_TYPES:
+        return gguf.quants.quantize(values, _OTHER_TYPES[fmt]), _OTHER_TYPES[fmt]
+    return quantize(torch.from_numpy(values), fmt).numpy().reshape(values.shape[0], -1), GGUF_TYPES[fmt]
+
+
+def _override(name: str, overrides: list[tuple[re.Pattern, str]]) -> str | None:
+    return next((fmt for pattern, fmt in overrides if pattern.search(name)), None)
+
+
+def _parse_override(text: str) -> tuple[re.Pattern, str]:
+    pattern, _, fmt = text.rpartition("=")
+    if fmt not in {*GGUF_TYPES, *_OTHER_TYPES}:
+        raise argparse.ArgumentTypeError(f"unknown type {fmt!r} in {text!r}")
+    return re.compile(pattern), fmt
 
 
 def tensor_format(shape: tuple[int, ...], name: str) -> str | None:
@@ -38,6 +62,8 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--type", choices=sorted(_FILE_TYPES), required=True)
     parser.add_argument("--model", default=None, help="input GGUF (default: the built-in model)")
+    parser.add_argument("--tensor-type", type=_parse_override, action="append", default=[],
+                        help="REGEX=TYPE: matrices whose name matches REGEX in TYPE")
     args = parser.parse_args()
     reader = gguf.GGUFReader(str(resolve_model_path(args.model)))
     writer = gguf.GGUFWriter(args.out, reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
@@ -49,8 +75,8 @@ def main() -> None:
         if fmt is None:
             writer.add_tensor(tensor.name, values)
             continue
-        blocks = quantize(torch.from_numpy(values), fmt).numpy().reshape(values.shape[0], -1)
-        writer.add_tensor(tensor.name, blocks, raw_dtype=GGUF_TYPES[fmt])
+        blocks, raw_dtype = _blocks(values, _override(tensor.name, args.tensor_type) or fmt)
+        writer.add_tensor(tensor.name, blocks, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -39,11 +39,13 @@ def quantized_gguf(pytestconfig: pytest.Config):
     digest = hashlib.sha256(SCRIPT.read_bytes() + (ROOT / "cobatch/models/quantization.py").read_bytes())
     folder = pytestconfig.cache.mkdir(f"quantized-gguf-{digest.hexdigest()[:12]}")
 
-    def make(fmt: str) -> Path:
-        path = folder / f"smollm2-{fmt}.gguf"
+    def make(fmt: str, *tensor_types: str) -> Path:
+        mix = hashlib.sha256(" ".join(tensor_types).encode()).hexdigest()[:8] if tensor_types else ""
+        path = folder / f"smollm2-{fmt}{'-' + mix if mix else ''}.gguf"
         if not path.exists():
             tmp = path.with_suffix(".tmp")
-            subprocess.run([sys.executable, str(SCRIPT), str(tmp), "--type", fmt], check=True,
+            overrides = [arg for t in tensor_types for arg in ("--tensor-type", t)]
+            subprocess.run([sys.executable, str(SCRIPT), str(tmp), "--type", fmt, *overrides], check=True,
                            capture_output=True, timeout=600)
             tmp.rename(path)
         return path
@@ -123,6 +125,36 @@ def test_quantized_gguf_keeps_its_bytes_and_matches_its_dequantized_weights(quan
     assert model_bytes == _tensor_bytes(path)
     assert model_bytes >= 0.97 * path.stat().st_size
     _check_against_dequantized(llm, formats)
+
+
+# As llama-quantize's mixes do: some attn_v and ffn_down in other types, a fused q | k | v of two formats.
+MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.1[0-4]\.ffn_down=q4_1", r"blk\.2[0-4]\.attn_k=q8_0")
+
+
+def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quantized_gguf) -> None:
+    """Q5_0 (exactly) and Q4_1 (requantized) matrices become Q8_0, and so do q | k | v of mixed formats:
+    no dense matrix, a little more than the file's bytes, greedy output ranked by its dequantized
+    weights as the plain files' is."""
+    path = quantized_gguf("q4_0", *MIX)
+    llm = LLM(str(path), **ENGINE)
+    model = _model(llm)
+    assert all(is_quantized(p) for p in model.parameters() if p.dim() > 1)
+    layer0 = model.layers[0].qkv_proj  # type: ignore[index]
+    assert quant_type(layer0).name == "q8_0" and quant_type(model.layers[5].qkv_proj).name == "q4_0"
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model_bytes <= 1.2 * _tensor_bytes(path)
+    reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    v = reader["blk.0.attn_v.weight"]  # Q5_0 in the file: its values exactly
+    v_dense = torch.from_numpy(gguf.quants.dequantize(v.data, v.tensor_type))
+    rows = torch.arange(quantized_shape(layer0)[0] - v_dense.shape[0], quantized_shape(layer0)[0])
+    assert torch.equal(quantized_rows(rows, layer0.data, torch.float32), v_dense)
+    down = reader["blk.10.ffn_down.weight"]  # Q4_1: within Q8_0's rounding (and its fp16 scale's)
+    down_dense = torch.from_numpy(gguf.quants.dequantize(down.data, down.tensor_type))
+    served = quantized_rows(torch.arange(down_dense.shape[0]), model.layers[10].down_proj.data, torch.float32)
+    block_max = down_dense.abs().reshape(down_dense.shape[0], -1, 32).amax(-1, keepdim=True)
+    error = (served - down_dense).abs().reshape(block_max.shape[0], -1, 32)
+    assert (error <= block_max * (1 / 254 + 1 / 1024)).all()
+    _check_against_dequantized(llm, {"q4_0", "q8_0"})
 
 
 def test_hf_folder_quantized_at_load_matches_its_dequantized_weights(hf_folder: Path) -> None:

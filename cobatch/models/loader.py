@@ -3,9 +3,13 @@
 Both sources are first turned into HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), then
 `build_model` fuses them into the decoder's layout (QKV and gate/up concatenated). A GGUF tensor in a
 format the quantized kernel serves (Q8_0, Q4_0, Q4_K: kernels/quant_linear.py) stays as its blocks, a
-uint8 [N, K / block, block_bytes] tensor, and the model keeps it packed, never dense; other types are
-dequantized with `gguf`. `quantization` ("q8_0" | "q4_0") quantizes the dense projections and embeddings
-at load (models/quantization.py).
+uint8 [N, K / block, block_bytes] tensor, and the model keeps it packed, never dense. In a file mostly in
+those formats, a matrix in another quantized type (llama-quantize's mixes put the lm_head and some
+attn_v / ffn_down in Q6_K, fallbacks in Q5_0 ...) becomes Q8_0 (exactly from Q4_0 and Q5_0, else
+requantized from its dequantized values), and so does a fused projection whose parts differ in format:
+dense fp32 copies of them would hold 4-5x their bytes and be streamed every step. Other files are dequantized with `gguf`. `quantization`
+("q8_0" | "q4_0" | "q4_k") quantizes the dense projections and embeddings at load
+(models/quantization.py).
 
 Weight-only bf16: a model computed in fp32 on CPU keeps a projection or embedding table whose source
 values are bf16 (a bf16 safetensors tensor, a GGUF BF16 tensor) in bf16 where the native fp32-on-bf16
@@ -42,6 +46,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF's unquantized tensor types: kept as they are (BF16 as bf16, F16 / F32 in the model's dtype).
+_DENSE_TYPES = frozenset(("F32", "F16", "BF16", "F64"))
 # GGUF architectures whose q/k rows llama.cpp's converter permuted for its RoPE kernel.
 _GGUF_PERMUTED_ARCHS = ("llama", "mistral")
 
@@ -143,7 +149,10 @@ class _WeightFiller:
     def __call__(self, param: torch.nn.Parameter, parts: list[torch.Tensor]) -> None:
         formats = {_block_format(t) for t in parts}
         rows, in_features = param.shape
-        fmt = formats.pop() if len(formats) == 1 else None
+        fmt = next(iter(formats)) if len(formats) == 1 else None
+        if len(formats) > 1 and None not in formats:  # blocks of several formats (Q4_K q, k; a Q8_0 v)
+            fmt = FORMATS["q8_0"]
+            parts = [_as_q8_0(t) for t in parts]
         if fmt is not None and can_pack_blocks(rows, in_features, fmt):
             blocks = torch.cat(parts)
             if blocks.shape[0] != rows or blocks.shape[1] * fmt.block_size != in_features:
@@ -174,6 +183,14 @@ def _block_format(tensor: torch.Tensor) -> QuantFormat | None:
     if tensor.dtype != torch.uint8 or tensor.dim() != 3:
         return None
     return next((f for f in FORMATS.values() if f.block_bytes == tensor.shape[-1]), None)
+
+
+def _as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    fmt = _block_format(blocks)
+    if fmt is not None and fmt.name == "q8_0":
+        return blocks
+    data = blocks.reshape(blocks.shape[0], -1).numpy()
+    return quant.to_q8_0(data, quant.GGUF_TYPES[fmt.name])  # type: ignore[union-attr]
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
@@ -243,18 +260,21 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
 
 
 def _mostly_served(tensors: list) -> bool:
-    """Whether most of a file's matrix bytes are in formats the quantized kernel serves. A file mostly in
-    other types (the shipped Q4_1 model, whose embedding alone is Q8_0) is served dense, as before: one
-    table kept quantized would change the numerics of a model that runs dense anyway."""
+    """Whether most of a file's matrix bytes are in types the quantized kernel serves as they are (Q8_0,
+    Q4_0, Q4_K; Q5_0 as its exact Q8_0 blocks: llama-quantize's fallback where K is no multiple of 256).
+    A file mostly in other types (the shipped Q4_1 model, whose embedding alone is Q8_0) is served dense,
+    as before: requantizing most of it would change the numerics of a model that runs dense anyway."""
     matrices = [t for t in tensors if len(t.shape) == 2]
-    served = sum(int(t.n_bytes) for t in matrices if quant.format_of(t.tensor_type) is not None)
+    served = sum(int(t.n_bytes) for t in matrices
+                 if quant.format_of(t.tensor_type) is not None or t.tensor_type in quant.EXACT_IN_Q8_0)
     return served * 2 > sum(int(t.n_bytes) for t in matrices)
 
 
 def _gguf_tensor(t: object, dtype: torch.dtype, keep_blocks: bool) -> torch.Tensor:
     """A GGUF tensor as GGUF blocks [N, K / block, block_bytes] (uint8, copied out of the file's mapping)
-    where keep_blocks and the quantized kernel serves its type; a BF16 one as bf16 (build_model keeps
-    or converts it: weight-only bf16); else dequantized into `dtype`."""
+    where keep_blocks and the quantized kernel serves its type, as Q8_0 blocks where keep_blocks and it
+    is a matrix of another quantized type (quantization.to_q8_0); a BF16 one as bf16 (build_model keeps or converts it:
+    weight-only bf16); else dequantized into `dtype`."""
     import gguf
 
     fmt = quant.format_of(t.tensor_type) if keep_blocks else None  # type: ignore[attr-defined]
@@ -262,6 +282,8 @@ def _gguf_tensor(t: object, dtype: torch.dtype, keep_blocks: bool) -> torch.Tens
         return torch.from_numpy(np.array(t.data)).view(t.data.shape[0], -1, fmt.block_bytes)  # type: ignore
     if t.tensor_type == gguf.GGMLQuantizationType.BF16:  # type: ignore[attr-defined]
         return torch.from_numpy(np.array(t.data)).view(torch.bfloat16)  # type: ignore[attr-defined]  # its bits
+    if keep_blocks and t.data.ndim == 2 and t.tensor_type.name not in _DENSE_TYPES:  # type: ignore
+        return quant.to_q8_0(t.data, t.tensor_type)  # type: ignore[attr-defined]
     array = gguf.quants.dequantize(t.data, t.tensor_type)  # type: ignore[attr-defined]
     if not array.flags.writeable:  # memory-mapped F32 tensors: torch wants a writable buffer
         array = np.array(array)

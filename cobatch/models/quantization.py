@@ -33,6 +33,32 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(data)).view(weight.shape[0], -1, fmt.block_bytes)
 
 
+# Types whose every value a Q8_0 block holds exactly (same fp16 scale per 32 weights, integer codes
+# within int8): to_q8_0 converts their blocks losslessly; the kernel serves them as Q8_0.
+EXACT_IN_Q8_0 = frozenset((gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_0))
+
+
+def to_q8_0(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """A GGUF matrix [N, row bytes] of any type -> Q8_0 blocks [N, K / 32, 34]: exact for Q4_0 and Q5_0
+    (d kept, code - offset as the int8), else gguf-py's Q8_0 quantization of its dequantized values
+    (an error of at most half of each 32-block's max / 127)."""
+    if tensor_type not in EXACT_IN_Q8_0:
+        values = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, tensor_type)))
+        return quantize(values, "q8_0")
+    block_bytes = 18 if tensor_type == gguf.GGMLQuantizationType.Q4_0 else 22
+    blocks = np.ascontiguousarray(data).reshape(data.shape[0], -1, block_bytes)
+    qs = blocks[..., -16:]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int16)  # K 0..15, then 16..31
+    if tensor_type == gguf.GGMLQuantizationType.Q5_0:
+        qh = blocks[..., 2:6].copy().view("<u4")  # bit j: the fifth bit of code j
+        codes |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int16)
+        codes -= 16
+    else:
+        codes -= 8
+    out = np.concatenate([blocks[..., :2], codes.astype(np.int8).view(np.uint8)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(out))
+
+
 def dequantize(blocks: torch.Tensor, name: str) -> torch.Tensor:
     """GGUF blocks [N, nb, block_bytes] -> the dense [N, K] fp32 weight (gguf-py's dequantization)."""
     data = blocks.reshape(blocks.shape[0], -1).numpy()
