@@ -2,8 +2,9 @@
 
 For each named shape (benchmarks/shapes.py: random weights, the published config) it writes the HF
 folder, converts it with llama.cpp's own `convert_hf_to_gguf.py` to a dense GGUF (bf16 and/or f32) and
-requantizes that file to Q8_0 / Q4_0 (scripts/quantize_gguf.py, gguf-py's reference rounding, every
-matrix). Both servers then load the very same file. Against each, in turn, one server up at a time:
+requantizes that file to Q8_0 / Q4_0 / Q4_K (scripts/quantize_gguf.py, gguf-py's reference rounding, every
+matrix), or to llama-quantize's own mixes (q4_k_m: Q4_K with Q6_K / Q5_0 / Q8_0 matrices where llama.cpp
+puts them; needs `build/bin/llama-quantize`). Both servers then load the very same file. Against each, in turn, one server up at a time:
 
     single   one stream: --num-single requests one after another
     batch    --batch-size requests at once
@@ -20,7 +21,7 @@ int8 dot products for quantized files, fp32 FMAs for dense ones). JSON + plot.
     .venv/bin/python -m benchmarks.llama_cpp --llama-cpp DIR [--shapes smollm2-135m,qwen2.5-0.5b]
         [--formats bf16,q8_0,q4_0] [--threads 1] [--repeats 1] [--work-dir /tmp/llama_cpp_shapes] [--report]
 
-DIR is a llama.cpp tree with `build/bin/llama-server` built (docs/BENCHMARKS.md says how). Cells are
+DIR is a llama.cpp tree with `build/bin/llama-server` (and for q4_k_m `llama-quantize`) built (docs/BENCHMARKS.md says how). Cells are
 merged into an existing --json of the same loads: a re-run of some shapes or formats replaces those and
 keeps the rest, each cell with its own date.
 """
@@ -50,7 +51,8 @@ from cobatch.testing.server import free_port, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 DENSE = ("bf16", "f32")
-QUANTIZED = ("q8_0", "q4_0", "q4_k")
+LLAMA_QUANTIZE_MIXES = {"q4_k_m": "Q4_K_M"}  # format -> llama-quantize's type name
+QUANTIZED = ("q8_0", "q4_0", "q4_k", *LLAMA_QUANTIZE_MIXES)
 SERVERS = ("llama-server", "cobatch")
 _READY_TIMEOUT_S = 600.0
 # llama.cpp's converter, run as its own script, except for one thing: it names a BPE pre-tokenizer by the
@@ -96,6 +98,9 @@ def _write_gguf(fmt: str, hf_dir: Path, path: Path, dense_bf16: Path, llama_cpp:
             _write_gguf("bf16", hf_dir, dense_bf16, dense_bf16, llama_cpp)
         cmd = [sys.executable, str(ROOT / "scripts" / "quantize_gguf.py"), str(path), "--type", fmt,
                "--model", str(dense_bf16)]
+        if fmt in LLAMA_QUANTIZE_MIXES:
+            cmd = [str(llama_cpp / "build" / "bin" / "llama-quantize"), str(dense_bf16), str(path),
+                   LLAMA_QUANTIZE_MIXES[fmt], "1"]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
 
 

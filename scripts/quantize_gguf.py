@@ -7,7 +7,7 @@ Q8_0 and Q4_0 with gguf-py's reference quantizer, Q4_K with models/quantization.
 llama-quantize does, a matrix whose rows do not split into Q4_K's 256-weight super-blocks falls back to
 a 32-block format (here Q4_0; llama.cpp picks Q5_0); 1-D tensors (norms) stay F32. `--tensor-type
 REGEX=TYPE` (as llama-quantize's) writes the matrices whose GGUF name matches REGEX in TYPE instead, also
-in a type the kernel does not serve (q5_0, q5_1, q4_1: gguf-py quantizes them): the mixed files that
+in q5_0, or in a type the kernel does not serve (q5_1, q4_1: gguf-py quantizes them): the mixed files that
 llama-quantize's Q4_K_M and the like are.
 
     .venv/bin/python scripts/quantize_gguf.py OUT.gguf --type q8_0|q4_0|q4_k [--model IN.gguf] \
@@ -29,8 +29,7 @@ from cobatch.models.quantization import GGUF_TYPES, quantize
 _FILE_TYPES = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
                "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S}
 _FALLBACK = "q4_0"  # for a Q4_K file's matrices with K % 256 != 0
-_OTHER_TYPES = {"q5_0": gguf.GGMLQuantizationType.Q5_0, "q5_1": gguf.GGMLQuantizationType.Q5_1,
-                "q4_1": gguf.GGMLQuantizationType.Q4_1}  # for --tensor-type: gguf-py quantizes them
+_OTHER_TYPES = {"q5_1": gguf.GGMLQuantizationType.Q5_1, "q4_1": gguf.GGMLQuantizationType.Q4_1}  # for --tensor-type: gguf-py quantizes them
 
 
 def _blocks(values: np.ndarray, fmt: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:

@@ -16,7 +16,8 @@ from cobatch.models.quantization import dequantize, quantize
 pytestmark = pytest.mark.skipif(native_quant_gemm() is None, reason="the kernels library cannot be built here")
 
 # (format, K): K one block, several, and (Q4_K) several super-blocks
-CASES = [("q8_0", 32), ("q8_0", 96), ("q4_0", 64), ("q4_0", 160), ("q4_k", 256), ("q4_k", 768)]
+CASES = [("q8_0", 32), ("q8_0", 96), ("q4_0", 64), ("q4_0", 160), ("q4_k", 256), ("q4_k", 768),
+         ("q5_0", 32), ("q5_0", 160)]
 # N: one panel, one full tile (3 panels), a tile of 3 and one of 2, several tiles ending on a single panel
 WIDTHS = (16, 48, 80, 112)
 # M: one row, below / at / past the micro-tile (4), past a task's chunk of rows (128)

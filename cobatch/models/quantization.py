@@ -17,7 +17,7 @@ import torch
 from cobatch.kernels.quant_linear import FORMATS, QuantFormat
 
 GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-              "q4_k": gguf.GGMLQuantizationType.Q4_K}
+              "q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_0": gguf.GGMLQuantizationType.Q5_0}
 
 
 def format_of(tensor_type: gguf.GGMLQuantizationType) -> QuantFormat | None:

@@ -168,7 +168,7 @@ int decoder_forward(const Shape *s, const Layer *layers, int num_layers, const v
 /* ------------------------------------------- gemm_quant.c: GEMM on GGUF-quantized weights (Q8_0, Q4_*) */
 
 /* qtype of the quantized entry points; the packed layouts are gemm_quant.c's (kernels/quant_linear.py). */
-enum { QUANT_Q8_0 = 0, QUANT_Q4_0 = 1, QUANT_Q4_K = 2 };
+enum { QUANT_Q8_0 = 0, QUANT_Q4_0 = 1, QUANT_Q4_K = 2, QUANT_Q5_0 = 3 };
 
 /* 1 when built with AVX-512 VNNI (else the same arithmetic in plain C). */
 int gemm_quant_is_vnni(void);

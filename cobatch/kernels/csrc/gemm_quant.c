@@ -1,9 +1,9 @@
-/* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 4.5 or 8.5 bits
- * per weight (Q8_0, Q4_0, Q4_K), x fp32 or bf16, fp32 accumulation.
+/* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 4.5, 5.5 or 8.5
+ * bits per weight (Q8_0, Q4_0, Q4_K, Q5_0), x fp32 or bf16, fp32 accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
- * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q4_0 and
- * Q4_K 0.56. Dequantizing at load would give that back.
+ * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q5_0 0.69,
+ * Q4_0 and Q4_K 0.56. Dequantizing at load would give that back.
  *
  * Activations: each row of x is quantized on the fly, per block of 32, to int8 (scale dx = max|x| / 127,
  * q = round-to-nearest-even(x / dx)), and the sum of each block's q kept (llama.cpp's Q8_0/Q8_1
@@ -12,6 +12,7 @@
  * 0..255 with a per-block offset o, so sum(w x) = dx * a * (sum(c q) - o sum(q)):
  *     Q8_0: c = w + 128 (its int8 with the sign bit flipped, done once at packing), a = d, o = 128;
  *     Q4_0: c = the 4-bit code 0..15, a = d, o = 8;
+ *     Q5_0: c = the 5-bit code 0..31 (4 low bits as Q4_0's, the fifth from qh), a = d, o = 16;
  *     Q4_K: c = the 4-bit code, per 32-weight sub-block a = d * scale, and w = a c - dmin * min, so
  *           sum(w x) = dx * (a sum(c q) - dmin * min * sum(q)).
  *
@@ -23,6 +24,8 @@
  *     Q8_0 (544 bytes): d[16] fp16 | codes[8][16][4]: codes[g][l][t] = w[l][4 g + t] + 128
  *     Q4_0 (288 bytes): d[16] fp16 | qs[4][16][4]: GGUF's qs bytes 4 g .. 4 g + 3 of row l (low nibbles: K
  *                       4 g + t, high: 16 + 4 g + t)
+ *     Q5_0 (352 bytes): d[16] fp16 | hb[16][4]: bit g of byte t of row l is the fifth bit of K 4 g + t
+ *                       (GGUF's qh bit 4 g + t, regrouped at packing) | qs[4][16][4] as Q4_0's
  *     Q4_K (2304 bytes): d[16] | dmin[16] fp16 | scales[3][16][4]: GGUF's 12 scale bytes of row l, 4 at a
  *                       time | qs[4][8][16][4]: GGUF's qs bytes 32 c + 4 g .. + 3 (low nibbles: K 64 c +
  *                       4 g + t, sub-block 2 c; high: 64 c + 32 + 4 g + t, sub-block 2 c + 1)
@@ -65,8 +68,8 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* Bytes of one panel block and weights per format block. */
-static const int64_t PANEL_BYTES[3] = {NR * 34, NR * 18, NR * 144};
-static const int64_t BLOCK_K[3] = {32, 32, 256};
+static const int64_t PANEL_BYTES[4] = {NR * 34, NR * 18, NR * 144, NR * 22};
+static const int64_t BLOCK_K[4] = {32, 32, 256, 32};
 
 /* x quantized: codes [M, K] int8, per 32-block scale [M, K / 32] and sum of codes [M, K / 32]. */
 typedef struct {
@@ -155,6 +158,11 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
     }
 }
 
+/* o: the code of a zero weight in the 32-block formats (w = d (c - o)). */
+static inline float code_offset(int qtype) {
+    return qtype == QUANT_Q8_0 ? 128.0f : qtype == QUANT_Q5_0 ? 16.0f : 8.0f;
+}
+
 /* The weight w = a c - b of 32-block j (of the panel block at blk) for row lane: (a, b). */
 static void block_ab(int qtype, const uint8_t *blk, int lane, int j, float *a, float *b) {
     if (qtype == QUANT_Q4_K) {
@@ -167,7 +175,7 @@ static void block_ab(int qtype, const uint8_t *blk, int lane, int j, float *a, f
         return;
     }
     *a = f16_to_f32(load_u16(blk + 2 * lane));
-    *b = *a * (qtype == QUANT_Q8_0 ? 128.0f : 8.0f);
+    *b = *a * code_offset(qtype);
 }
 
 /* Code (0..255) of K index k (0..31) of 32-block j, row lane, in the panel block at blk. */
@@ -175,6 +183,9 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
     const int g = k / 4, t = k % 4;
     if (qtype == QUANT_Q8_0) return blk[32 + 64 * g + 4 * lane + t];
     if (qtype == QUANT_Q4_0) return (blk[32 + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf;
+    if (qtype == QUANT_Q5_0)
+        return ((blk[96 + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf) |
+               (((blk[32 + 4 * lane + t] >> g) & 1) << 4);
     const int c = (j % 8) / 2;
     return (blk[256 + 512 * c + 64 * g + 4 * lane + t] >> (j % 2 ? 4 : 0)) & 0xf;
 }
@@ -218,6 +229,14 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
         __m512i v = _mm512_loadu_si512(blk + 32 + 64 * (g % 4));
         return _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low);
     }
+    if (qtype == QUANT_Q5_0) {
+        /* bit g of each hb byte to bit 4 (16-bit shifts move no bit across a byte's bit 4 here), then
+         * low nibble | that bit: one ternary op (0xF8: A | (B & C)) */
+        const __m512i v = _mm512_loadu_si512(blk + 96 + 64 * (g % 4)), hb = _mm512_loadu_si512(blk + 32);
+        const __m512i lo = _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low);
+        const __m512i hi = g < 4 ? _mm512_slli_epi16(hb, 4 - g) : g > 4 ? _mm512_srli_epi16(hb, g - 4) : hb;
+        return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x10), 0xF8);
+    }
     __m512i v = _mm512_loadu_si512(blk + 256 + 512 * ((j % 8) / 2) + 64 * g);
     return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
 }
@@ -253,7 +272,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
     __m512 acc[MR * NZ];
     for (int i = 0; i < MR * NZ; i++) acc[i] = _mm512_setzero_ps();
     const int64_t nb = K / QB;
-    const float off = qtype == QUANT_Q8_0 ? 128.0f : 8.0f;
+    const float off = code_offset(qtype);
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *blk[NZ];
         __m512i sum[MR * NZ];
@@ -261,7 +280,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j);
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
-            /* Q8_0 / Q4_0 start at -o sum(q), so the integer sum is sum(w q) / d already */
+            /* the 32-block formats start at -o sum(q), so the integer sum is sum(w q) / d already */
             const int32_t start = qtype == QUANT_Q4_K ? 0 : -(int32_t)off * x->s[(m0 + m) * nb + j];
 #pragma GCC unroll 4
             for (int z = 0; z < nz; z++) sum[m * NZ + z] = _mm512_set1_epi32(start);
@@ -318,6 +337,7 @@ _Static_assert(MR <= 4 && NZ <= 3, "the tile cases below cover mr <= 4, nz <= 3:
 QTILE_FN(tile_q8_0, QUANT_Q8_0)
 QTILE_FN(tile_q4_0, QUANT_Q4_0)
 QTILE_FN(tile_q4_k, QUANT_Q4_K)
+QTILE_FN(tile_q5_0, QUANT_Q5_0)
 
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
                       int64_t p0, int nz, float *out, int64_t ldo) {
@@ -325,6 +345,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
         const int mr = (int)(rows - m < MR ? rows - m : MR);
         if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo);
         else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo);
+        else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo);
         else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo);
     }
 }
@@ -335,7 +356,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 int gemm_quant_is_vnni(void) { return QUANT_VNNI; }
 
 static int check_shape(int qtype, int64_t N, int64_t K) {
-    return qtype >= 0 && qtype <= 2 && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
+    return qtype >= 0 && qtype <= 3 && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
 }
 
 /* A task's rows of y (rows ldy apart, from column col0, width wide) in y's dtype, from tmp's fp32 (bf16 y)
@@ -390,11 +411,23 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
  * time: src[from + u unit ..] of lane l goes to dst[to + (16 u + l) unit ..]. */
 typedef struct { int from, to, bytes, unit; } Piece;
 
-static const Piece PIECES[3][4] = {
+static const Piece PIECES[4][4] = {
     {{0, 0, 2, 2}, {2, 32, 32, 4}},                                    /* Q8_0: d | codes */
     {{0, 0, 2, 2}, {2, 32, 16, 4}},                                    /* Q4_0: d | qs */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
+    {{0, 0, 2, 2}, {6, 96, 16, 4}},                                    /* Q5_0: d | qs (hb: below) */
 };
+
+/* Q5_0's qh (bit k: the fifth bit of K k) of row lane -> hb byte t: bit g = the fifth bit of K 4 g + t. */
+static void pack_q5_0_high_bits(const uint8_t *src, int lane, uint8_t *dst) {
+    uint32_t qh;
+    memcpy(&qh, src + 2, 4);
+    for (int t = 0; t < 4; t++) {
+        uint8_t byte = 0;
+        for (int g = 0; g < 8; g++) byte |= (uint8_t)(((qh >> (4 * g + t)) & 1u) << g);
+        dst[32 + 4 * lane + t] = byte;
+    }
+}
 
 /* GGUF blocks [N, K / block, block bytes] -> the packed layout (above). Returns 0, or -2 on a bad shape. */
 int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, int num_threads) {
@@ -411,6 +444,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
                     for (int u = 0; u < pc.bytes / pc.unit; u++)
                         memcpy(dst + pc.to + (NR * u + l) * pc.unit, src + pc.from + u * pc.unit, (size_t)pc.unit);
                 }
+                if (qtype == QUANT_Q5_0) pack_q5_0_high_bits(src, l, dst);
             }
             if (qtype == QUANT_Q8_0) /* int8 -> code + 128: the kernel's unsigned operand */
                 for (int i = 32; i < PANEL_BYTES[qtype]; i++) dst[i] ^= 0x80;
