@@ -267,8 +267,21 @@ INLINE void k4_ab(const uint8_t *blk, int j, __m512 *a, __m512 *b) {
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz. */
+/* The bytes the NZ panel streams will read PREFETCH_J 32-blocks from now, into L1: a micro-tile that reads
+ * its panels from memory (the first of a task: the later ones find them in L2) keeps more lines in flight
+ * than the hardware prefetcher does on these short streams (a panel of K = 576 is 5 KB). */
+#ifndef PREFETCH_J
+#define PREFETCH_J 4
+#endif
+INLINE void prefetch_ahead(int qtype, const uint8_t *const *blk, int nz, int64_t j) {
+    const int64_t step = PANEL_BYTES[qtype] * QB / BLOCK_K[qtype];  /* a 32-block's bytes */
+    const int64_t at = (j % (BLOCK_K[qtype] / QB)) * step + PREFETCH_J * step;
+    for (int z = 0; z < nz; z++)
+        for (int64_t b = 0; b < step; b += 64) _mm_prefetch((const char *)blk[z] + at + b, _MM_HINT_T0);
+}
+
 INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
-                 int nz, float *out, int64_t ldo) {
+                 int nz, float *out, int64_t ldo, int stream) {
     __m512 acc[MR * NZ];
     for (int i = 0; i < MR * NZ; i++) acc[i] = _mm512_setzero_ps();
     const int64_t nb = K / QB;
@@ -278,6 +291,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         __m512i sum[MR * NZ];
 #pragma GCC unroll 4
         for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j);
+        if (stream) prefetch_ahead(qtype, blk, nz, j);
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
             /* the 32-block formats start at -o sum(q), so the integer sum is sum(w q) / d already */
@@ -325,12 +339,12 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 }
 
 /* Each (format, mr, nz) its own unrolled copy: the tile sizes must be literals for the registers. */
-#define QCASE(R, Z) case (R) * 4 + (Z): tile(qtype, x, m0, R, w, K, p0, Z, out, ldo); break;
+#define QCASE(R, Z) case (R) * 4 + (Z): tile(qtype, x, m0, R, w, K, p0, Z, out, ldo, stream); break;
 #define QCASES(R) QCASE(R, 1) QCASE(R, 2) QCASE(R, 3)
 _Static_assert(MR <= 4 && NZ <= 3, "the tile cases below cover mr <= 4, nz <= 3: a missing one computes nothing");
 #define QTILE_FN(NAME, QT)                                                                                   \
     static void NAME(const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0, int nz, \
-                     float *out, int64_t ldo) {                                                              \
+                     float *out, int64_t ldo, int stream) {                                                  \
         const int qtype = QT;                                                                                \
         switch (mr * 4 + nz) { QCASES(1) QCASES(2) QCASES(3) QCASES(4) default: break; }                     \
     }
@@ -343,10 +357,11 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
                       int64_t p0, int nz, float *out, int64_t ldo) {
     for (int64_t m = 0; m < rows; m += MR) {
         const int mr = (int)(rows - m < MR ? rows - m : MR);
-        if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo);
-        else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo);
-        else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo);
-        else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo);
+        const int stream = m == 0;  /* the task's first micro-tile reads its panels from memory */
+        if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo, stream);
+        else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo, stream);
+        else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo, stream);
+        else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo, stream);
     }
 }
 #endif
