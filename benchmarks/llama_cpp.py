@@ -218,15 +218,22 @@ def summarize(fmt: str, path: Path, result: dict[str, dict], bandwidth: float) -
     return summary
 
 
-def with_batch_ceilings(results: list[dict], peaks: ComputePeaks | None, args: argparse.Namespace) -> list[dict]:
-    """Each cell with its batch ceiling (batch_ceiling_tok_s) and both servers' batch share of it."""
+def with_batch_ceilings(results: list[dict], peaks: ComputePeaks | None, args: argparse.Namespace,
+                        keep_earlier: bool = True) -> list[dict]:
+    """Each cell with its batch ceiling (batch_ceiling_tok_s), both servers' batch share of it and the
+    peaks it used. `peaks` is measured after the run: a cell of an earlier run keeps the ceiling of
+    the peaks measured after it (the host's speed drifts) unless keep_earlier is False (--report)."""
     if peaks is None:
         return results
     out = []
     for r in results:
+        if keep_earlier and "batch_ceiling_tok_s" in r:
+            out.append(r)
+            continue
         macs = macs_per_output_token(args.work_dir / r["file"], args.input_len, args.output_len)
         ceiling = batch_ceiling_tok_s(r["format"], macs, peaks)
         out.append({**r, "batch_ceiling_tok_s": ceiling, "macs_per_output_token": macs,
+                    "peaks": dataclasses.asdict(peaks),
                     **{f"{s}_batch_of_ceiling": r["servers"][s]["batch"]["tok_s"] / ceiling for s in SERVERS}})
     return out
 
@@ -302,7 +309,7 @@ def main() -> int:
                   f"{summary['llama-server_single_of_roofline']:.0%}", flush=True)
             write_json(args.json, {"machine": _machine(args), "results": results})  # partial results kept
     peaks = measure_peaks()  # after the servers: nothing else runs
-    results = with_batch_ceilings(results, peaks, args)
+    results = with_batch_ceilings(results, peaks, args, keep_earlier=not args.report)
     write_json(args.json, {"machine": {**_machine(args), **({"peaks": dataclasses.asdict(peaks)} if peaks else {})},
                            "results": results})
     plot(results, Path(args.plot))

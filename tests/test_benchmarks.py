@@ -129,3 +129,30 @@ def test_a_batch_ceiling_counts_prompt_and_output_multiply_adds_at_the_formats_p
     assert macs == (4 * 32 + 2 * 40) / 2
     peaks = ComputePeaks(int8_macs_per_s=208.0, fp32_macs_per_s=52.0)
     assert batch_ceiling_tok_s("q4_0", macs, peaks) == 2.0 and batch_ceiling_tok_s("bf16", macs, peaks) == 0.5
+
+
+def test_an_earlier_cell_keeps_the_ceiling_of_its_own_peaks_unless_reported_again(tmp_path: Path) -> None:
+    import argparse
+
+    import gguf
+    import numpy as np
+
+    from benchmarks.cpu_peak import ComputePeaks
+    from benchmarks.llama_cpp import with_batch_ceilings
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((10, 4), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    servers = {s: {"batch": {"tok_s": 1.0}} for s in ("llama-server", "cobatch")}
+    earlier = {"file": "m.gguf", "format": "q4_k_m", "servers": servers, "batch_ceiling_tok_s": 99.0}
+    new = {"file": "m.gguf", "format": "q4_k_m", "servers": servers}
+    args = argparse.Namespace(work_dir=tmp_path, input_len=1, output_len=1)
+    peaks = ComputePeaks(int8_macs_per_s=400.0, fp32_macs_per_s=100.0)
+    kept, fresh = with_batch_ceilings([earlier, new], peaks, args)
+    assert kept["batch_ceiling_tok_s"] == 99.0
+    # 40 MACs an output token (the tied lm_head) at the int8 peak: a llama-quantize mix is quantized
+    assert fresh["batch_ceiling_tok_s"] == 10.0 and fresh["peaks"]["int8_macs_per_s"] == 400.0
+    again, _ = with_batch_ceilings([earlier, new], peaks, args, keep_earlier=False)
+    assert again["batch_ceiling_tok_s"] == 10.0
