@@ -4,7 +4,8 @@ For each named shape (benchmarks/shapes.py: random weights, the published config
 folder, converts it with llama.cpp's own `convert_hf_to_gguf.py` to a dense GGUF (bf16 and/or f32) and
 requantizes that file to Q8_0 / Q4_0 / Q4_K (scripts/quantize_gguf.py, gguf-py's reference rounding, every
 matrix), or to llama-quantize's own mixes (q4_k_m: Q4_K with Q6_K / Q5_0 / Q8_0 matrices where llama.cpp
-puts them; needs `build/bin/llama-quantize`). Both servers then load the very same file. Against each, in turn, one server up at a time:
+puts them; needs `build/bin/llama-quantize`). Both servers then load the very same file. Against each, in
+turn, one server up at a time:
 
     single   one stream: --num-single requests one after another
     batch    --batch-size requests at once
@@ -21,7 +22,8 @@ int8 dot products for quantized files, fp32 FMAs for dense ones). JSON + plot.
     .venv/bin/python -m benchmarks.llama_cpp --llama-cpp DIR [--shapes smollm2-135m,qwen2.5-0.5b]
         [--formats bf16,q8_0,q4_0] [--threads 1] [--repeats 1] [--work-dir /tmp/llama_cpp_shapes] [--report]
 
-DIR is a llama.cpp tree with `build/bin/llama-server` (and for q4_k_m `llama-quantize`) built (docs/BENCHMARKS.md says how). Cells are
+DIR is a llama.cpp tree with `build/bin/llama-server` (and for q4_k_m `llama-quantize`) built
+(docs/BENCHMARKS.md says how). Cells are
 merged into an existing --json of the same loads: a re-run of some shapes or formats replaces those and
 keeps the rest, each cell with its own date.
 """

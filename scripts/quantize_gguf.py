@@ -29,7 +29,8 @@ from cobatch.models.quantization import GGUF_TYPES, quantize
 _FILE_TYPES = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
                "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S}
 _FALLBACK = "q4_0"  # for a Q4_K file's matrices with K % 256 != 0
-_OTHER_TYPES = {"q5_1": gguf.GGMLQuantizationType.Q5_1, "q4_1": gguf.GGMLQuantizationType.Q4_1}  # for --tensor-type: gguf-py quantizes them
+# For --tensor-type, types the kernel does not serve that gguf-py quantizes.
+_OTHER_TYPES = {"q5_1": gguf.GGMLQuantizationType.Q5_1, "q4_1": gguf.GGMLQuantizationType.Q4_1}
 
 
 def _blocks(values: np.ndarray, fmt: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:

@@ -2,13 +2,13 @@
 
 Both sources are first turned into HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), then
 `build_model` fuses them into the decoder's layout (QKV and gate/up concatenated). A GGUF tensor in a
-format the quantized kernel serves (Q8_0, Q4_0, Q4_K, Q5_0: kernels/quant_linear.py) stays as its blocks, a
-uint8 [N, K / block, block_bytes] tensor, and the model keeps it packed, never dense. In a file mostly in
-those formats, a matrix in another quantized type (llama-quantize's mixes put the lm_head and some
+format the quantized kernel serves (Q8_0, Q4_0, Q4_K, Q5_0: kernels/quant_linear.py) stays as its blocks,
+a uint8 [N, K / block, block_bytes] tensor, and the model keeps it packed, never dense. In a file mostly
+in those formats, a matrix in another quantized type (llama-quantize's mixes put the lm_head and some
 attn_v / ffn_down in Q6_K ...) becomes Q8_0, requantized from its dequantized values, and so does a
-fused projection whose parts differ in format (exactly from Q4_0 and Q5_0 parts):
-dense fp32 copies of them would hold 4-5x their bytes and be streamed every step. Other files are dequantized with `gguf`. `quantization`
-("q8_0" | "q4_0") quantizes the dense projections and embeddings at load
+fused projection whose parts differ in format (exactly from Q4_0 and Q5_0 parts): dense fp32 copies
+of them would hold 4-5x their bytes and be streamed every step. Other files are dequantized with
+`gguf`. `quantization` ("q8_0" | "q4_0") quantizes the dense projections and embeddings at load
 (models/quantization.py).
 
 Weight-only bf16: a model computed in fp32 on CPU keeps a projection or embedding table whose source
@@ -260,8 +260,9 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
 
 
 def _mostly_served(tensors: list) -> bool:
-    """Whether most of a file's matrix bytes are in types the quantized kernel serves. A file mostly in other types (the shipped Q4_1 model, whose embedding alone is Q8_0) is served dense,
-    as before: requantizing most of it would change the numerics of a model that runs dense anyway."""
+    """Whether most of a file's matrix bytes are in types the quantized kernel serves. A file mostly in
+    other types (the shipped Q4_1 model, whose embedding alone is Q8_0) is served dense, as before:
+    requantizing most of it would change the numerics of a model that runs dense anyway."""
     matrices = [t for t in tensors if len(t.shape) == 2]
     served = sum(int(t.n_bytes) for t in matrices if quant.format_of(t.tensor_type) is not None)
     return served * 2 > sum(int(t.n_bytes) for t in matrices)
@@ -270,8 +271,8 @@ def _mostly_served(tensors: list) -> bool:
 def _gguf_tensor(t: object, dtype: torch.dtype, keep_blocks: bool) -> torch.Tensor:
     """A GGUF tensor as GGUF blocks [N, K / block, block_bytes] (uint8, copied out of the file's mapping)
     where keep_blocks and the quantized kernel serves its type, as Q8_0 blocks where keep_blocks and it
-    is a matrix of another quantized type (quantization.to_q8_0); a BF16 one as bf16 (build_model keeps or converts it:
-    weight-only bf16); else dequantized into `dtype`."""
+    is a matrix of another quantized type (quantization.to_q8_0); a BF16 one as bf16 (build_model keeps
+    or converts it: weight-only bf16); else dequantized into `dtype`."""
     import gguf
 
     fmt = quant.format_of(t.tensor_type) if keep_blocks else None  # type: ignore[attr-defined]
