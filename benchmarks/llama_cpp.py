@@ -23,9 +23,8 @@ int8 dot products for quantized files, fp32 FMAs for dense ones). JSON + plot.
         [--formats bf16,q8_0,q4_0] [--threads 1] [--repeats 1] [--work-dir /tmp/llama_cpp_shapes] [--report]
 
 DIR is a llama.cpp tree with `build/bin/llama-server` (and for q4_k_m `llama-quantize`) built
-(docs/BENCHMARKS.md says how). Cells are
-merged into an existing --json of the same loads: a re-run of some shapes or formats replaces those and
-keeps the rest, each cell with its own date.
+(docs/BENCHMARKS.md says how). Cells are merged into an existing --json of the same loads: a re-run of
+some shapes or formats replaces those and keeps the rest, each cell with its own date.
 """
 
 from __future__ import annotations
@@ -98,11 +97,12 @@ def _write_gguf(fmt: str, hf_dir: Path, path: Path, dense_bf16: Path, llama_cpp:
     else:
         if not dense_bf16.exists():
             _write_gguf("bf16", hf_dir, dense_bf16, dense_bf16, llama_cpp)
-        cmd = [sys.executable, str(ROOT / "scripts" / "quantize_gguf.py"), str(path), "--type", fmt,
-               "--model", str(dense_bf16)]
         if fmt in LLAMA_QUANTIZE_MIXES:
             cmd = [str(llama_cpp / "build" / "bin" / "llama-quantize"), str(dense_bf16), str(path),
                    LLAMA_QUANTIZE_MIXES[fmt], "1"]
+        else:
+            cmd = [sys.executable, str(ROOT / "scripts" / "quantize_gguf.py"), str(path), "--type", fmt,
+                   "--model", str(dense_bf16)]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
 
 

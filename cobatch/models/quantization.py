@@ -34,7 +34,7 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
 
 
 # Types whose every value a Q8_0 block holds exactly (same fp16 scale per 32 weights, integer codes
-# within int8): to_q8_0 converts their blocks losslessly; the kernel serves them as Q8_0.
+# within int8): to_q8_0 converts their blocks losslessly (a fused projection of mixed formats).
 EXACT_IN_Q8_0 = frozenset((gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_0))
 
 
@@ -45,8 +45,7 @@ def to_q8_0(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.T
     if tensor_type not in EXACT_IN_Q8_0:
         values = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, tensor_type)))
         return quantize(values, "q8_0")
-    block_bytes = 18 if tensor_type == gguf.GGMLQuantizationType.Q4_0 else 22
-    blocks = np.ascontiguousarray(data).reshape(data.shape[0], -1, block_bytes)
+    blocks = np.ascontiguousarray(data).reshape(data.shape[0], -1, gguf.GGML_QUANT_SIZES[tensor_type][1])
     qs = blocks[..., -16:]
     codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int16)  # K 0..15, then 16..31
     if tensor_type == gguf.GGMLQuantizationType.Q5_0:

@@ -266,7 +266,6 @@ INLINE void k4_ab(const uint8_t *blk, int j, __m512 *a, __m512 *b) {
 
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
-/* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz. */
 /* The bytes the NZ panel streams will read PREFETCH_J 32-blocks from now, into L1: a micro-tile that reads
  * its panels from memory (the first of a task: the later ones find them in L2) keeps more lines in flight
  * than the hardware prefetcher does on these short streams (a panel of K = 576 is 5 KB). */
@@ -280,6 +279,8 @@ INLINE void prefetch_ahead(int qtype, const uint8_t *const *blk, int nz, int64_t
         for (int64_t b = 0; b < step; b += 64) _mm_prefetch((const char *)blk[z] + at + b, _MM_HINT_T0);
 }
 
+/* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream`: prefetch
+ * the panels ahead (prefetch_ahead). */
 INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
                  int nz, float *out, int64_t ldo, int stream) {
     __m512 acc[MR * NZ];
