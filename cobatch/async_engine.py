@@ -12,12 +12,13 @@ crossings.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -129,6 +130,7 @@ class _Query:
 
 
 _Command = _Add | _Abort | _StopSequence | _Shutdown | _Query
+_InboxItem = _Command | list[_Add]  # a list: adds that join one step (AsyncEngine.joined)
 
 
 @dataclass(slots=True)
@@ -188,7 +190,8 @@ class AsyncEngine:
         self._on_dead = on_dead
         self._on_ready = on_ready
         self._on_finished = on_finished  # e.g. tracing: called on the loop for each finished sequence
-        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_InboxItem] = queue.SimpleQueue()
+        self._joined: list[_Add] | None = None  # adds held back until joined() ends
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         # Written by the engine thread, read by the loop: single attribute stores, no lock needed.
@@ -308,8 +311,24 @@ class AsyncEngine:
             self._work_since = time.monotonic()  # the engine may have been idle for long
         self._streams[request_id] = stream
         self._num_adds_sent += 1
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority, time.monotonic()))
+        add = _Add(request_id, list(prompt_token_ids), params, priority, time.monotonic())
+        if self._joined is not None:
+            self._joined.append(add)
+        else:
+            self._inbox.put(add)
         return stream
+
+    @contextlib.contextmanager
+    def joined(self) -> Iterator[None]:
+        """The requests added inside reach the engine thread as one inbox item, so they join the same
+        step: put one by one, the thread could wake at the first and step before the others arrive."""
+        self._joined = []
+        try:
+            yield
+        finally:
+            adds, self._joined = self._joined, None
+            if adds:
+                self._inbox.put(adds)
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      priority: int = 0) -> RequestStream:
@@ -494,17 +513,17 @@ class AsyncEngine:
                     deltas, rejected, stats, _snapshot_of(engine, num_adds), time.monotonic()))
 
     def _next_commands(self, block: bool) -> list[_Command]:
-        commands: list[_Command] = []
+        commands: list[_InboxItem] = []
         if block:
             try:
                 commands.append(self._inbox.get(timeout=_IDLE_POLL_S))
             except queue.Empty:
-                return commands
+                return []
         while True:
             try:
                 commands.append(self._inbox.get_nowait())
             except queue.Empty:
-                return commands
+                return [c for item in commands for c in (item if isinstance(item, list) else [item])]
 
     def _apply(self, engine: Engine, command: _Command, deltas: list[RequestDelta],
                rejected: list[tuple[str, str]]) -> None:

@@ -127,6 +127,20 @@ def test_request_joins_the_running_batch_at_the_next_step() -> None:
     run(main())
 
 
+def test_requests_added_while_joined_share_their_first_step() -> None:
+    async def main() -> None:
+        engine = await started(make_engine)
+        with engine.joined():
+            first = engine.add("a", PROMPT, params(max_tokens=3))
+            await asyncio.sleep(0.2)  # an idle engine thread had time to wake and step "a" alone
+            second = engine.add("b", [1, 2, 3], params(max_tokens=3))
+        await asyncio.gather(collect(first), collect(second))
+        rows = [set(s.row_request_ids) for s in engine._engine.stats]  # type: ignore[union-attr]
+        assert rows and rows[0] == {"a", "b"}
+        await engine.shutdown()
+    run(main())
+
+
 def test_abort_frees_blocks_within_one_step() -> None:
     async def main() -> None:
         engine = await started(lambda: make_engine(step_delay_s=0.005))

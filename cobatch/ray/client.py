@@ -12,6 +12,7 @@ and each cancels its Ray call, so the replica's finally aborts the engine reques
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -177,6 +178,10 @@ class RoutedEngine:
             note.replica = replica
         self.router_metrics.live_requests.set(len(self._live))
         return live.stream
+
+    def joined(self) -> contextlib.nullcontext[None]:
+        """Each request is routed on its own (to its replica's next step): nothing to join here."""
+        return contextlib.nullcontext()
 
     def abort(self, request_id: str) -> None:
         """Cancel the request's legs (each cancels its replica call); a no-op once it is gone."""

@@ -8,6 +8,7 @@ only, so both get the same endpoints, errors, /metrics and /health.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 # DeadlineUnreachableError lives with the engine (AsyncEngine.submit raises it too); named here for the server.
@@ -59,6 +60,10 @@ class EngineClient(Protocol):
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      priority: int = 0) -> OutputStream: ...
+
+    def joined(self) -> AbstractContextManager[None]:
+        """Requests submitted inside join the same engine step (a router: no-op, each is routed)."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 

@@ -160,7 +160,7 @@ class ServingContext:
     async def submit_all(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
                          priority: int, user: str | None) -> list[Submission]:
         """Every prompt checked first (a 400 naming the bad one: nothing runs), then each submitted as
-        its own request, back to back in this event-loop turn, so they join the same engine step."""
+        its own request, all handed to the engine at once (AsyncEngine.joined): they join one step."""
         self.check_available()
         for index, prompt_token_ids in enumerate(prompts):
             self._check_prompt(prompt_token_ids, params, f"prompt {index} of {len(prompts)}: "
@@ -168,8 +168,10 @@ class ServingContext:
         self.check_queue(len(prompts))
         submissions: list[Submission] = []
         try:
-            for prompt_token_ids in prompts:
-                submissions.append(await self._submit_checked(prefix, prompt_token_ids, params, priority, user))
+            with self.async_engine.joined():
+                for prompt_token_ids in prompts:
+                    submissions.append(await self._submit_checked(prefix, prompt_token_ids, params, priority,
+                                                                  user))
         except BaseException:
             for sub in submissions:  # a later one was refused (a routed engine): none of them runs
                 self.async_engine.abort(sub.request_id)
