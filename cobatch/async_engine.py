@@ -89,6 +89,7 @@ class EngineSnapshot:
     scheduler: SchedulerStats = SchedulerStats()
     num_steps: int = 0
     num_adds_processed: int = 0
+    num_add_tokens_processed: int = 0  # prompt tokens of those adds
     # The engine's fitted step-time models (cost_model features), all zero until each is ready.
     step_coefficients: tuple[float, ...] = ()
     decode_coefficients: tuple[float, ...] = ()
@@ -208,6 +209,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._work_since = 0.0  # when live requests last appeared after none: progress is due after
         self._num_adds_sent = 0
+        self._num_add_tokens_sent = 0
         self.history = StepHistory()  # the last steps and finishes, for the dashboard and tracing
 
     @classmethod
@@ -266,6 +268,12 @@ class AsyncEngine:
         unseen = self._num_adds_sent - self.snapshot.num_adds_processed
         return self.snapshot.scheduler.num_waiting_requests + max(0, unseen)
 
+    @property
+    def num_unseen_prompt_tokens(self) -> int:
+        """Prompt tokens of the adds the engine thread has not taken yet: prefill queued ahead of
+        the next request, though no snapshot shows it."""
+        return max(0, self._num_add_tokens_sent - self.snapshot.num_add_tokens_processed)
+
     async def drain(self, timeout_s: float) -> int:
         """Stop admission, let live requests finish within `timeout_s`, abort the rest."""
         if self.state == EngineState.READY:
@@ -311,6 +319,7 @@ class AsyncEngine:
             self._work_since = time.monotonic()  # the engine may have been idle for long
         self._streams[request_id] = stream
         self._num_adds_sent += 1
+        self._num_add_tokens_sent += len(prompt_token_ids)
         add = _Add(request_id, list(prompt_token_ids), params, priority, time.monotonic())
         if self._joined is not None:
             self._joined.append(add)
@@ -345,15 +354,16 @@ class AsyncEngine:
 
         The prefill queued ahead of it (waiting, and running chunks) and its whole prompt, in budget
         chunks beside the running decode rows, priced by the fitted step-time model. Optimistic on
-        load (no wait for a seat, adds not yet seen by the engine thread), pessimistic on a prompt
-        whose prefix is cached (the loop cannot see the cache).
+        load (no wait for a seat), pessimistic on a prompt whose prefix is cached (the loop cannot
+        see the cache).
         """
         stats, info = self.snapshot.scheduler, self.info
         if info is None:
             return 0.0
         return predict_prefill_s(
             self.snapshot.step_coefficients,
-            stats.num_waiting_tokens + stats.num_running_prefill_tokens + num_prompt_tokens,
+            stats.num_waiting_tokens + stats.num_running_prefill_tokens + self.num_unseen_prompt_tokens
+            + num_prompt_tokens,
             stats.num_running, stats.num_running_tokens, info.max_num_batched_tokens)
 
     def _check_deadline(self, num_prompt_tokens: int, deadline_ms: float) -> None:
@@ -493,7 +503,7 @@ class AsyncEngine:
             self._call_loop(self._on_thread_dead, f"the engine loop died: {type(exc).__name__}: {exc}")
 
     def _loop_forever(self, engine: Engine) -> None:
-        num_adds = 0
+        num_adds = num_add_tokens = 0
         while True:
             commands = self._next_commands(block=not engine.has_unfinished_requests())
             if not engine.has_unfinished_requests():
@@ -505,12 +515,14 @@ class AsyncEngine:
             for command in commands:
                 if isinstance(command, _Shutdown):
                     return
-                num_adds += isinstance(command, _Add)
+                if isinstance(command, _Add):
+                    num_adds += 1
+                    num_add_tokens += len(command.prompt_token_ids)
                 self._apply(engine, command, deltas, rejected)
             stats = self._step(engine, deltas) if engine.has_unfinished_requests() else None
             if commands or stats is not None:
                 self._call_loop(self._dispatch, _Published(
-                    deltas, rejected, stats, _snapshot_of(engine, num_adds), time.monotonic()))
+                    deltas, rejected, stats, _snapshot_of(engine, num_adds, num_add_tokens), time.monotonic()))
 
     def _next_commands(self, block: bool) -> list[_Command]:
         commands: list[_InboxItem] = []
@@ -576,8 +588,8 @@ def _finished_status(delta: RequestDelta) -> SequenceWaitStatus:
         finish_reason=delta.finish_reason)
 
 
-def _snapshot_of(engine: Engine, num_adds: int) -> EngineSnapshot:
-    return EngineSnapshot(engine.scheduler.stats(), engine.num_steps, num_adds,
+def _snapshot_of(engine: Engine, num_adds: int, num_add_tokens: int) -> EngineSnapshot:
+    return EngineSnapshot(engine.scheduler.stats(), engine.num_steps, num_adds, num_add_tokens,
                           engine.step_time_model.fitted_coefficients,
                           engine.decode_time_model.fitted_coefficients)
 

@@ -226,15 +226,16 @@ def test_drain_lets_short_requests_finish_and_aborts_the_rest() -> None:
     run(main())
 
 
-def test_queue_count_includes_requests_the_engine_has_not_seen() -> None:
+def test_queue_counts_include_requests_the_engine_has_not_seen() -> None:
     async def main() -> None:
         faults = FaultInjector()
         engine = await started(lambda: make_engine(faults=faults))
         faults.inject("stall", seconds=0.3)
         streams = [engine.add(f"r{i}", PROMPT, params()) for i in range(3)]
         assert engine.num_queued_requests == 3  # counted before the engine thread drains the inbox
+        assert engine.num_unseen_prompt_tokens == 3 * len(PROMPT)  # and their prefill with them
         for stream in streams:
             await collect(stream)
-        assert engine.num_queued_requests == 0
+        assert engine.num_queued_requests == 0 and engine.num_unseen_prompt_tokens == 0
         await engine.shutdown()
     run(main())

@@ -22,7 +22,7 @@ KERNELS = "cobatch.kernels"
 WIRES_IN_TESTING = {"cobatch.server.cli", "cobatch.ray.replica"}
 # The Ray wing (DESIGN.md §2): its routing core is pure (tested without a cluster, no torch), and no
 # module outside it imports Ray (`import cobatch` and the single server stay Ray-free).
-RAY_PURE = {"cobatch.ray.prefix_index", "cobatch.ray.inflight", "cobatch.ray.scoring",
+RAY_PURE = {"cobatch.ray.prefix_index", "cobatch.ray.inflight", "cobatch.ray.arrivals", "cobatch.ray.scoring",
             "cobatch.ray.routing_state", "cobatch.ray.ticket", "cobatch.ray.wire",
             "cobatch.ray.migration", "cobatch.ray.chunking", "cobatch.ray.app_config",
             "cobatch.ray.router_metrics", "cobatch.ray.dashboard_feed"}

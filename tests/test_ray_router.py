@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from cobatch.block_manager import BlockManager
-from cobatch.ray.inflight import ARRIVAL_MARGIN_S
+from cobatch.ray.arrivals import ARRIVALS_WINDOW_S, RecentArrivals
 from cobatch.ray.prefix_index import PrefixIndex, max_cached_blocks, prompt_block_hashes
 from cobatch.ray.routing_state import RoutingState
 from cobatch.ray.scoring import (
@@ -258,13 +258,35 @@ def test_caller_exclusion_and_a_prompt_larger_than_the_cache() -> None:
 
 # ---- bookkeeping: stats age, retirements, purge, evictions -----------------------------------------
 
-def test_stats_retire_the_ledger_entries_they_reflect() -> None:
+def test_stats_retire_the_ledger_entries_they_list_as_arrived() -> None:
     state = state_with(fake_stats("r1"))
     state.decide(query("q", list(range(16))), ["r1"], NOW)
-    state.update_stats(fake_stats("r1", time_s=NOW + ARRIVAL_MARGIN_S / 2))  # may predate arrival
+    state.decide(query("lost", list(range(16, 32))), ["r1"], NOW)
+    # Measured a second later, yet before either arrived (a slow actor call on a busy host).
+    state.update_stats(fake_stats("r1", time_s=NOW + 1.0))
+    assert state.ledger.load("r1").num_requests == 2
+    state.update_stats(fake_stats("r1", time_s=NOW + 1.5, num_waiting=1, num_waiting_tokens=16,
+                                  recent_arrivals=("q",)))
     assert state.ledger.load("r1").num_requests == 1
-    state.update_stats(fake_stats("r1", time_s=NOW + 0.5, num_waiting=1, num_waiting_tokens=16))
+    # Not listed by any record for a whole arrivals window: it never arrived in time.
+    state.update_stats(fake_stats("r1", time_s=NOW + ARRIVALS_WINDOW_S, num_waiting=1,
+                                  num_waiting_tokens=16))
     assert state.ledger.load("r1").num_requests == 0
+
+
+def test_a_record_measured_before_a_request_arrived_does_not_send_the_next_one_after_it() -> None:
+    state = state_with(fake_stats("r1"), fake_stats("r2"))
+    assert state.decide(query("a", SYSTEM_PROMPT), ["r1", "r2"], NOW).chosen == "r1"
+    state.update_stats(fake_stats("r1", time_s=NOW + 0.2))  # the call carrying "a" still on its way
+    assert state.decide(query("b", list(range(200, 260))), ["r1", "r2"], NOW + 0.3).chosen == "r2"
+
+
+def test_a_replica_lists_the_arrivals_of_its_last_window() -> None:
+    arrivals = RecentArrivals()
+    arrivals.add("old", NOW)
+    arrivals.add("new", NOW + ARRIVALS_WINDOW_S / 2)
+    assert arrivals.listed(NOW + ARRIVALS_WINDOW_S / 2) == ("old", "new")
+    assert arrivals.listed(NOW + ARRIVALS_WINDOW_S + 0.1) == ("new",)
 
 
 def test_a_retry_replaces_its_earlier_booking_and_completion_clears_it() -> None:
@@ -280,7 +302,8 @@ def test_a_request_finished_since_the_last_record_no_longer_loads_its_replica() 
     state = state_with(fake_stats("r1"), fake_stats("r2"))
     assert state.decide(query("q", list(range(16))), ["r1", "r2"], NOW).chosen == "r1"
     # The next record shows it running on r1; then it finishes before the record after that.
-    state.update_stats(fake_stats("r1", time_s=NOW + 0.5, num_running=1, num_running_tokens=16))
+    state.update_stats(fake_stats("r1", time_s=NOW + 0.5, num_running=1, num_running_tokens=16,
+                                  recent_arrivals=("q",)))
     assert state.decide(query("q2", list(range(100, 116))), ["r1", "r2"], NOW + 0.6).chosen == "r2"
     state.complete("q", NOW + 0.7)
     assert state.ledger.finished_load("r1").num_requests == 1
@@ -296,7 +319,8 @@ def test_a_record_taken_mid_prefill_shows_no_queue_once_that_request_finished() 
     assert state.decide(query("warm", prompt), ["r1", "r2"], NOW).chosen == "r1"
     # r1's next record is measured while its prefill is under way, then it finishes.
     state.update_stats(fake_stats("r1", time_s=NOW + 0.5, num_running=1, num_running_tokens=64,
-                                  num_running_prefill_tokens=40, num_kv_blocks_free=1008))
+                                  num_running_prefill_tokens=40, num_kv_blocks_free=1008,
+                                  recent_arrivals=("warm",)))
     state.complete("warm", NOW + 0.6)
     decision = state.decide(query("next", SYSTEM_PROMPT + [8] * 4), ["r1", "r2"], NOW + 0.7)
     by_id = {c.replica_id: c for c in decision.candidates}
@@ -304,14 +328,15 @@ def test_a_record_taken_mid_prefill_shows_no_queue_once_that_request_finished() 
     assert by_id["r1"].ttft_s < by_id["r2"].ttft_s
 
 
-def test_a_request_that_finishes_right_after_a_record_within_the_arrival_margin_leaves_it() -> None:
+def test_a_request_listed_by_a_record_and_finished_after_it_is_taken_off_it() -> None:
     state = state_with(fake_stats("r1"), fake_stats("r2"))
     assert state.decide(query("q", list(range(16))), ["r1", "r2"], NOW).chosen == "r1"
-    # Measured just after the decision: it may not show q, so q stays in flight...
-    state.update_stats(fake_stats("r1", time_s=NOW + ARRIVAL_MARGIN_S / 2, num_waiting=1,
-                                  num_waiting_requests=1, num_waiting_tokens=16))
-    assert state.ledger.load("r1").num_requests == 1
-    # ...but it does show it, and once q finishes nothing of it loads r1.
+    # Measured just after the decision, and q had arrived: the record counts it, the ledger not...
+    state.update_stats(fake_stats("r1", time_s=NOW + 0.01, num_waiting=1,
+                                  num_waiting_requests=1, num_waiting_tokens=16,
+                                  recent_arrivals=("q",)))
+    assert state.ledger.load("r1").num_requests == 0
+    # ...and once q finishes nothing of it loads r1.
     state.complete("q", NOW + 0.2)
     assert state.ledger.load("r1").num_requests == 0
     assert state.ledger.finished_load("r1").num_requests == 1
@@ -325,7 +350,7 @@ def test_a_record_measured_before_a_finish_but_arriving_after_it_is_corrected() 
     state.complete("q", NOW + 0.3)  # done before any record showed it...
     # ...and then the record measured mid-prefill (through Serve's controller, late) arrives.
     state.update_stats(fake_stats("r1", time_s=NOW + 0.1, num_running=1, num_running_tokens=16,
-                                  num_running_prefill_tokens=12))
+                                  num_running_prefill_tokens=12, recent_arrivals=("q",)))
     decision = state.decide(query("q2", list(range(100, 116))), ["r1", "r2"], NOW + 0.4)
     by_id = {c.replica_id: c for c in decision.candidates}
     assert by_id["r1"].num_queued_tokens == 0 and by_id["r1"].ttft_s == by_id["r2"].ttft_s
@@ -337,7 +362,7 @@ def test_stale_stats_are_marked_penalised_and_keep_local_bookkeeping() -> None:
     state = state_with(fake_stats("r1", time_s=NOW - 3.0), fake_stats("r2", time_s=NOW - 3.0))
     for i in range(4):
         state.decide(query(f"q{i}", [i] * 16), ["r1", "r2"], NOW)
-    state.update_stats(fake_stats("r2", time_s=NOW + 0.5))  # r2 reports; r1 stays silent
+    state.update_stats(fake_stats("r2", time_s=NOW + 0.5, recent_arrivals=("q1", "q3")))  # r1 silent
     decision = state.decide(query("q", list(range(16))), ["r1", "r2"], NOW + 0.5)
     by_id = {c.replica_id: c for c in decision.candidates}
     assert by_id["r1"].is_stale and by_id["r1"].penalty_s == pytest.approx(2.5)

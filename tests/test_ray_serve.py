@@ -148,7 +148,7 @@ def test_prefix_affinity_with_balanced_load(base_url: str) -> None:
 
     with ThreadPoolExecutor(2) as pool:  # the first two are long enough to overlap
         warm = list(pool.map(lambda p: send(p, 0, 64), [LONG_PREFIX_A, LONG_PREFIX_B]))
-        assert warm[0] != warm[1]  # two requests at once spread over both replicas
+        assert warm[0] != warm[1], _reasons(base_url, 2)  # two at once spread over both replicas
         # Then each group goes where its prefix is cached: at least 5 of 6 rounds per group (a router
         # blind to prefixes does that by chance about once in 80 runs), so one decision swayed by a
         # busy host's noisy step-time fits does not fail the test.

@@ -2,19 +2,18 @@
 
 Stats arrive every ~0.5 s; decisions come in bursts. Without this ledger every decision in a burst
 would see the same "idle" snapshot and pick the same replica (herding). An entry counts as load on
-its replica until a stats record measured after it arrived there, or its completion, retires it; a
-request that finishes after a record showed it is taken off that record until a newer one arrives.
+its replica until a stats record that lists its arrival (cobatch.ray.arrivals), or its completion,
+retires it; a request that finishes after a record showed it is taken off that record until a newer
+one arrives.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-# A routed request reaches its replica's scheduler a little after the decision (one actor call); a
-# record measured within this margin after the decision may not include it yet, so it stays counted.
-ARRIVAL_MARGIN_S = 0.05
+from cobatch.ray.arrivals import ARRIVALS_WINDOW_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +58,9 @@ class InFlightLedger:
         self._by_replica: dict[str, dict[str, InFlightRequest]] = {}  # unreported
         self._replica_of: dict[str, str] = {}  # request id -> replica id, of the unreported
         self._reported: OrderedDict[str, InFlightRequest] = OrderedDict()  # in stats, not done yet
-        self._finished: dict[str, list[tuple[float, InFlightRequest]]] = {}  # replica -> (when, what)
-        self._last_record_s: dict[str, float] = {}  # replica -> when its last record was measured
+        # replica -> (when it finished, whether a record had shown it then, what)
+        self._finished: dict[str, list[tuple[float, bool, InFlightRequest]]] = {}
+        self._last_listed: dict[str, frozenset[str]] = {}  # replica -> its last record's arrivals
         self._max_reported = max_reported  # a request routed but never dispatched never completes
 
     def add(self, request: InFlightRequest) -> None:
@@ -76,11 +76,12 @@ class InFlightLedger:
         Serve's controller), so one measured mid-prefill may arrive after the request finished.
         """
         request = self._reported.get(request_id)
+        was_reported = request is not None
         if request is None and request_id in self._replica_of:
             request = self._by_replica[self._replica_of[request_id]][request_id]
         if request is not None:
             finished = self._finished.setdefault(request.replica_id, [])
-            finished.append((now_s, request))
+            finished.append((now_s, was_reported, request))
             del finished[:-self._max_reported]  # a replica that never reports again
         self._drop(request_id)
 
@@ -90,20 +91,24 @@ class InFlightLedger:
             self._by_replica.get(replica_id, {}).pop(request_id, None)
         self._reported.pop(request_id, None)
 
-    def retire_reflected(self, replica_id: str, stats_time_s: float) -> None:
-        """A record measured at `stats_time_s` counts the requests that arrived before it, and no
-        longer counts the ones that finished before it."""
-        self._last_record_s[replica_id] = stats_time_s
+    def retire_reflected(self, replica_id: str, stats_time_s: float, arrivals: Collection[str]) -> None:
+        """A record measured at `stats_time_s` counts the requests it lists as arrived, and no longer
+        counts the ones that finished before it. One routed a whole arrivals window before it and
+        not listed never arrived in time: it is no longer counted either."""
+        listed = frozenset(arrivals)
+        self._last_listed[replica_id] = listed
         entries = self._by_replica.get(replica_id, {})
-        for request_id in [rid for rid, r in entries.items()
-                           if r.routed_s + ARRIVAL_MARGIN_S <= stats_time_s]:
+        for request_id in [rid for rid in entries if rid in listed]:
             self._reported[request_id] = entries.pop(request_id)
             del self._replica_of[request_id]
+        for request_id in [rid for rid, r in entries.items()
+                           if r.routed_s + ARRIVALS_WINDOW_S <= stats_time_s]:
+            self._drop(request_id)
         while len(self._reported) > self._max_reported:
             self._reported.popitem(last=False)
         finished = self._finished.get(replica_id)
         if finished:
-            finished[:] = [(t, r) for t, r in finished if t > stats_time_s]
+            finished[:] = [entry for entry in finished if entry[0] > stats_time_s]
 
     @property
     def replica_ids(self) -> set[str]:
@@ -114,13 +119,11 @@ class InFlightLedger:
         return total_load(self._by_replica.get(replica_id, {}).values())
 
     def finished_load(self, replica_id: str) -> InFlightLoad:
-        """What the replica's last record shows but has finished since: measured after the request
-        was routed (within ARRIVAL_MARGIN_S of it, it most likely shows it: an actor call takes
-        milliseconds) and before it finished."""
-        last_s = self._last_record_s.get(replica_id)
-        if last_s is None:
-            return InFlightLoad()
-        return total_load(r for _, r in self._finished.get(replica_id, ()) if r.routed_s <= last_s)
+        """What the replica's last record shows but has finished since: the requests it lists, or an
+        earlier one did, that finished after it was measured."""
+        listed = self._last_listed.get(replica_id, frozenset())
+        return total_load(r for _, was_reported, r in self._finished.get(replica_id, ())
+                          if was_reported or r.request_id in listed)
 
     def remove_replica(self, replica_id: str) -> list[InFlightRequest]:
         """Forget a dead replica's entries; returns the unreported ones (the requests heading there)."""
@@ -130,7 +133,7 @@ class InFlightLedger:
         for request_id in [rid for rid, r in self._reported.items() if r.replica_id == replica_id]:
             del self._reported[request_id]
         self._finished.pop(replica_id, None)
-        self._last_record_s.pop(replica_id, None)
+        self._last_listed.pop(replica_id, None)
         return entries
 
     def __len__(self) -> int:

@@ -22,6 +22,7 @@ from cobatch.cost_model import NO_COEFFICIENTS
 from cobatch.engine import Runner
 from cobatch.metrics import EngineMetrics
 from cobatch.ray.app_config import AppConfig
+from cobatch.ray.arrivals import RecentArrivals
 from cobatch.ray.chunking import chunked
 from cobatch.ray.dashboard_feed import MAX_FEED_STEPS, FeedBatch
 from cobatch.ray.scoring import ReplicaStats
@@ -46,6 +47,7 @@ class EngineReplica:
             watchdog_timeout_s=config.watchdog_timeout_s)
         self.engine.start()
         self._feed_cursor = HistoryCursor()
+        self.arrivals = RecentArrivals()
         # Ready only once the model is loaded: Serve routes nothing to a replica still in __init__.
         while self.engine.state == EngineState.STARTING:
             await asyncio.sleep(_READY_POLL_S)
@@ -60,6 +62,8 @@ class EngineReplica:
         try:
             stream = self.engine.add(call.request_id, list(call.prompt_token_ids), call.params,
                                      call.priority)
+            # After the add: a record that lists the arrival counts the request.
+            self.arrivals.add(call.request_id, time.time())
             async for chunk in chunked(stream, self.config.stream_interval_ms / 1e3):
                 yield chunk
         except EngineDeadError as exc:
@@ -73,7 +77,8 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """This replica's telemetry for the router (cobatch.ray.scoring.ReplicaStats as a dict)."""
-        return routing_stats(self.name, self.engine, self.config.max_queued_requests).to_dict()
+        return routing_stats(self.name, self.engine, self.config.max_queued_requests,
+                             self.arrivals).to_dict()
 
     def check_health(self) -> None:
         """Raise (Serve replaces the replica) when the engine is dead or makes no progress."""
@@ -116,27 +121,34 @@ class EngineReplica:
         await self.engine.shutdown()
 
 
-def routing_stats(replica_id: str, engine: AsyncEngine,
-                  max_queued_requests: int | None) -> ReplicaStats:
-    """The engine's last snapshot as the router's ReplicaStats (adds it has not seen count as waiting)."""
+def routing_stats(replica_id: str, engine: AsyncEngine, max_queued_requests: int | None,
+                  arrivals: RecentArrivals) -> ReplicaStats:
+    """The engine's last snapshot as the router's ReplicaStats.
+
+    Adds the engine thread has not taken yet count as waiting, their prompts as waiting tokens: a
+    router stops counting a request of its own once a record lists its arrival, so a record that
+    showed it as a seat without its prefill would make its replica look idle.
+    """
+    now_s = time.time()
     snap, info = engine.snapshot, engine.info
     s = snap.scheduler
     num_unseen = engine.num_queued_requests - s.num_waiting_requests
     num_blocks = s.num_kv_blocks or (info.num_kv_blocks if info else 0)
     return ReplicaStats(
-        replica_id=replica_id, time_s=time.time(), block_size=info.block_size if info else 16,
+        replica_id=replica_id, time_s=now_s, block_size=info.block_size if info else 16,
         num_kv_blocks=num_blocks, num_kv_blocks_free=num_blocks - s.num_kv_blocks_used,
         num_running=s.num_running, num_waiting=s.num_waiting + num_unseen, num_swapped=s.num_swapped,
         num_waiting_requests=engine.num_queued_requests, num_running_tokens=s.num_running_tokens,
         num_running_prefill_tokens=s.num_running_prefill_tokens,
-        num_waiting_tokens=s.num_waiting_tokens, num_swapped_tokens=s.num_swapped_tokens,
+        num_waiting_tokens=s.num_waiting_tokens + engine.num_unseen_prompt_tokens,
+        num_swapped_tokens=s.num_swapped_tokens,
         max_num_seqs=info.max_num_seqs if info else 1,
         max_num_batched_tokens=info.max_num_batched_tokens if info else 2048,
         max_num_waiting_requests=max_queued_requests,
         step_coefficients=snap.step_coefficients or NO_COEFFICIENTS,
         decode_coefficients=snap.decode_coefficients or NO_COEFFICIENTS,
         mean_output_tokens=s.mean_output_tokens, num_evictions_total=s.num_evictions_total,
-        recent_evicted_hashes=s.recent_evicted_hashes)
+        recent_evicted_hashes=s.recent_evicted_hashes, recent_arrivals=arrivals.listed(now_s))
 
 
 def _fault_injection(enabled: bool) -> tuple[Any, Callable[[Runner], Runner] | None]:

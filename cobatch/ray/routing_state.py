@@ -43,7 +43,7 @@ class RoutingState:
         if previous is not None and stats.time_s <= previous.time_s:
             return
         self.stats[stats.replica_id] = stats
-        self.ledger.retire_reflected(stats.replica_id, stats.time_s)
+        self.ledger.retire_reflected(stats.replica_id, stats.time_s, stats.recent_arrivals)
         self.index.set_capacity(stats.replica_id, stats.num_kv_blocks)
         if not self.index.apply_eviction_report(stats.replica_id, stats.num_evictions_total,
                                                 stats.recent_evicted_hashes):

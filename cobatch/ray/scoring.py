@@ -89,6 +89,7 @@ class ReplicaStats:
     mean_output_tokens: float = 0.0  # of recently finished requests; 0: none yet
     num_evictions_total: int = 0  # cached blocks evicted since the replica started
     recent_evicted_hashes: tuple[int, ...] = ()  # the last few evicted block hashes, oldest first
+    recent_arrivals: tuple[str, ...] = ()  # ids of the requests that arrived lately (ray.arrivals)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
