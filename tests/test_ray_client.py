@@ -91,6 +91,7 @@ class FakeHandle:
 
     def __init__(self, *replicas: FakeReplica) -> None:
         self.replicas = {r.name: r for r in replicas}
+        self.finished: list[str] = []  # legs the ingress told the router had finished
 
     def options(self, **_: object) -> FakeHandle:
         return self
@@ -103,6 +104,7 @@ class FakeHandle:
         alive = [n for n, r in self.replicas.items() if r.is_alive and n not in ticket.query.exclude]
         status, chosen = (ROUTED, alive[0]) if alive else (UNAVAILABLE, None)
         ticket.decision = RoutingDecision(ticket.query.request_id, 0.0, status, chosen, "fake", 0, ())
+        ticket.on_finished = lambda: self.finished.append(ticket.query.request_id)
         yield type("Selection", (), {"replica_id": chosen or next(iter(self.replicas))})()
 
     def dispatch(self, selection: object, call: GenerateCall) -> FakeResponse:
@@ -129,10 +131,12 @@ async def tokens_of(stream: RequestStream, n: int = 1) -> list[list[int]]:
 def test_a_request_cut_by_a_dead_replica_continues_token_exact() -> None:
     async def run() -> None:
         first, second = FakeReplica("a", die_after=7), FakeReplica("b")
-        engine = await started(FakeHandle(first, second))
+        handle = FakeHandle(first, second)
+        engine = await started(handle)
         stream = await engine.submit("r1", PROMPT, SamplingParams(max_tokens=20))
         assert await tokens_of(stream) == [reference(20)]
         moved = second.calls[0]
+        assert handle.finished == [moved.request_id]  # the router hears of the leg that finished
         assert moved.prompt_token_ids == tuple(PROMPT + reference(7))  # the delivered tokens
         assert moved.params.max_tokens == 13
 
@@ -142,10 +146,12 @@ def test_a_request_cut_by_a_dead_replica_continues_token_exact() -> None:
 def test_n_sequences_move_one_by_one_to_their_own_legs() -> None:
     async def run() -> None:
         first, second = FakeReplica("a", die_after=3), FakeReplica("b")
-        engine = await started(FakeHandle(first, second))
+        handle = FakeHandle(first, second)
+        engine = await started(handle)
         stream = await engine.submit("r2", PROMPT, SamplingParams(n=2, max_tokens=6))
         assert await tokens_of(stream, 2) == [reference(6)] * 2
         assert sorted(c.request_id for c in second.calls) == ["r2#0~1", "r2#1~1"]
+        assert sorted(handle.finished) == ["r2#0~1", "r2#1~1"]
 
     asyncio.run(run())
 

@@ -328,6 +328,21 @@ def test_a_record_taken_mid_prefill_shows_no_queue_once_that_request_finished() 
     assert by_id["r1"].ttft_s < by_id["r2"].ttft_s
 
 
+def test_a_finished_request_a_record_showed_waiting_takes_its_whole_prompt_off_the_queue() -> None:
+    state = state_with(fake_stats("r1"), fake_stats("r2"))
+    assert state.decide(query("warm", user_prompt(0)), ["r1", "r2"], NOW).chosen == "r1"
+    state.complete("warm", NOW + 0.2)
+    state.update_stats(fake_stats("r1", time_s=NOW + 0.3, recent_arrivals=("warm",)))
+    assert state.decide(query("u1", user_prompt(1)), ["r1", "r2"], NOW + 0.4).chosen == "r1"
+    # Measured while u1 waited there: a waiting request counts with its whole prompt, cached or not.
+    state.update_stats(fake_stats("r1", time_s=NOW + 0.5, num_waiting=1, num_waiting_requests=1,
+                                  num_waiting_tokens=64, recent_arrivals=("warm", "u1")))
+    state.complete("u1", NOW + 0.6)
+    decision = state.decide(query("u2", user_prompt(2)), ["r1", "r2"], NOW + 0.7)
+    by_id = {c.replica_id: c for c in decision.candidates}
+    assert decision.chosen == "r1" and by_id["r1"].num_queued_tokens == 0
+
+
 def test_a_request_listed_by_a_record_and_finished_after_it_is_taken_off_it() -> None:
     state = state_with(fake_stats("r1"), fake_stats("r2"))
     assert state.decide(query("q", list(range(16))), ["r1", "r2"], NOW).chosen == "r1"

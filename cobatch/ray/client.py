@@ -247,7 +247,7 @@ class RoutedEngine:
                 if placed is not None:
                     placed.set_result(replica)
                 response = self._generate.dispatch(selection, leg.call)
-                await self._stream(live, leg, response)
+                await self._stream(live, leg, response, ticket)
         except _LOST as exc:
             self._on_lost(live, leg, replica, exc)
         except DeploymentUnavailableError as exc:
@@ -290,14 +290,19 @@ class RoutedEngine:
                     "chosen": replica, "reason": f"{self.router_name} router"}
         return decision.to_dict()
 
-    async def _stream(self, live: _Live, leg: Leg, response: DeploymentResponseGenerator) -> None:
+    async def _stream(self, live: _Live, leg: Leg, response: DeploymentResponseGenerator,
+                      ticket: RouteTicket) -> None:
         is_done = False
+        num_open = len(leg.indices)
         try:
             async for chunk in response:
                 if isinstance(chunk, ReplicaError):
                     self._on_replica_error(live, chunk)
                     break
                 for delta in chunk:
+                    num_open -= delta.finished
+                    if not num_open and ticket.on_finished is not None:
+                        ticket.on_finished()  # before the client hears: it may send its next at once
                     self._deliver(live, live.progress.to_client(leg, delta))
             is_done = True
         finally:

@@ -8,6 +8,7 @@ router: no locks.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from typing import Any
@@ -49,6 +50,10 @@ class CobatchRouter(RequestRouter):
         self.state.remove_replica(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._complete(internal_request_id)
+
+    def _complete(self, internal_request_id: str) -> None:
+        # Once per request: the ingress's early word (the ticket) or Serve's completion, which comes first.
         request_id = self._request_of.pop(internal_request_id, None)
         if request_id is not None:
             self.state.complete(request_id, time.time())
@@ -66,7 +71,10 @@ class CobatchRouter(RequestRouter):
             # A refusal still names a replica (an empty answer makes Ray ask again forever): the
             # ingress reads the ticket and leaves choose_replica without dispatching.
             return [candidate_replicas[:1]]
-        self._track(pending_request.metadata.internal_request_id, ticket.query.request_id)
+        internal_request_id = pending_request.metadata.internal_request_id
+        self._track(internal_request_id, ticket.query.request_id)
+        loop = asyncio.get_running_loop()  # the ingress calls on_finished on its own loop's thread
+        ticket.on_finished = lambda: _call_soon(loop, self._complete, internal_request_id)
         # One rank of one replica: a second rank would let Ray's own rule pick without a decision.
         return [[by_id[decision.chosen]]]
 
@@ -74,6 +82,13 @@ class CobatchRouter(RequestRouter):
         self._request_of[internal_request_id] = request_id
         while len(self._request_of) > _MAX_TRACKED_REQUESTS:
             self._request_of.popitem(last=False)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any, *args: object) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the router's loop is closed: shutting down
+        pass
 
 
 class RoundRobinRouter(RequestRouter):

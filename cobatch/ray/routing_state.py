@@ -131,20 +131,23 @@ def without_finished(stats: ReplicaStats, finished: InFlightLoad) -> ReplicaStat
     """A record less the requests that finished since it was measured: their seats, context, blocks
     and the prefill they still had to do there (a record taken mid-prefill would otherwise show a
     queue the replica no longer has). Whether each was waiting or running then is not known: seats
-    come off the running first, prefill tokens off the running prefill first."""
-    if not finished.num_requests:
+    come off the running first. A record counts a running request's prefill still to compute, but a
+    waiting one's whole prompt (its cached prefix is found only when it is scheduled), so the
+    waiting take their prompts off the waiting tokens."""
+    num = finished.num_requests
+    if not num:
         return stats
-    num_running = min(finished.num_requests, stats.num_running)
-    num_waiting = min(finished.num_requests - num_running, stats.num_waiting)
-    running_prefill = min(finished.num_prefill_tokens, stats.num_running_prefill_tokens)
-    waiting_prefill = min(finished.num_prefill_tokens - running_prefill, stats.num_waiting_tokens)
+    num_running = min(num, stats.num_running)
+    num_waiting = min(num - num_running, stats.num_waiting)
+    running_prefill = min(finished.num_prefill_tokens, stats.num_running_prefill_tokens) if num_running else 0
+    waiting_prompts = min(finished.num_prompt_tokens * num_waiting // num, stats.num_waiting_tokens)
     return dataclasses.replace(
         stats, num_running=stats.num_running - num_running,
         num_waiting=stats.num_waiting - num_waiting,
         num_waiting_requests=max(stats.num_waiting_requests - num_waiting, 0),
         num_running_tokens=max(stats.num_running_tokens - finished.num_prompt_tokens, 0),
         num_running_prefill_tokens=stats.num_running_prefill_tokens - running_prefill,
-        num_waiting_tokens=stats.num_waiting_tokens - waiting_prefill,
+        num_waiting_tokens=stats.num_waiting_tokens - waiting_prompts,
         num_kv_blocks_free=min(stats.num_kv_blocks_free + finished.num_new_blocks, stats.num_kv_blocks))
 
 

@@ -8,6 +8,7 @@ request (Ray asks again, forever, when choose_replicas returns no replica) and t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cobatch.ray.scoring import RouteQuery, RoutingDecision
@@ -19,3 +20,7 @@ class RouteTicket:
 
     query: RouteQuery
     decision: RoutingDecision | None = None
+    # Set by the cobatch router: tells it, from any thread, that the request finished on its replica.
+    # The ingress sees the last delta before Serve reports the call complete, and a client that sends
+    # its next request at once would otherwise be routed as if this one still ran.
+    on_finished: Callable[[], None] | None = None
