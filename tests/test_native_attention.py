@@ -144,7 +144,16 @@ def test_kernel_matches_reference_over_a_wide_score_range(dtype: torch.dtype, ra
     case.v_cache, case.q = case.v_cache.to(dtype), case.q.to(dtype)
     want = case.reference()
     assert float(want.isnan().sum()) == 0
-    torch.testing.assert_close(case.kernel().double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    tol = TOLERANCE[dtype] + score_rounding(case)  # far below what a missed rescale costs (O(1))
+    torch.testing.assert_close(case.kernel().double(), want, atol=tol, rtol=tol)
+
+
+def score_rounding(case: Case) -> float:
+    """A bound on fp32's rounding of the largest score (|q| |k| scale eps): an error e in a score is a
+    relative error e in its weight, so scores of a few hundred cost a few 1e-5 in any summation order."""
+    k_norm = case.k_cache.float().nan_to_num().norm(dim=-1).max()
+    q_norm = case.q.float().norm(dim=-1).max()
+    return float(torch.finfo(torch.float32).eps * q_norm * k_norm * case.scale)
 
 
 @needs_kernel
