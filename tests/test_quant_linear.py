@@ -1,6 +1,6 @@
 """csrc/gemm_quant.c through kernels/quant_linear.py: the quantized GEMM against the GGUF weights as gguf-py
 dequantizes them (fp32/fp64 torch), for Q8_0, Q4_0 and Q4_K, any M, N not a multiple of the tile, 1 and 2
-threads, bf16 and bias; the embedding rows; the plain C twin (-DQUANT_SCALAR) on the same layout."""
+threads, bf16 and bias; the embedding rows; the plain C and AVX2 builds on the same layout."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from cobatch.kernels import bindings
 from cobatch.kernels.build import load_library
+from cobatch.kernels.cpu import cpu_flags
 from cobatch.kernels.quant_linear import (FORMATS, QuantGemm, is_quantized, native_quant_gemm, pack_blocks,
                                           quant_type, quantized_linear, quantized_rows, quantized_shape)
 from cobatch.models.quantization import dequantize, quantize
@@ -112,18 +113,37 @@ def test_bad_shapes_are_refused() -> None:
         pack_blocks(quantize(torch.randn(8, 64), "q8_0"))  # 8 rows: not a whole panel
 
 
-def test_plain_c_twin_matches() -> None:
-    """The -DQUANT_SCALAR build (what a CPU without AVX-512 VNNI runs): the same sums on the same layout."""
-    lib = load_library(("-DQUANT_SCALAR",))
+@pytest.mark.parametrize("flag", ["-DQUANT_SCALAR", "-DQUANT_NO_VNNI"])
+def test_other_paths_match(flag: str) -> None:
+    """The builds a CPU without AVX-512 VNNI runs: plain C (-DQUANT_SCALAR, any CPU) and, where the CPU has
+    AVX2, the AVX2 path (-DQUANT_NO_VNNI): the same sums on the same layout, any rows of a micro-tile."""
+    lib = load_library((flag,))
     if lib is None:
-        pytest.skip("the scalar build failed")
-    scalar = QuantGemm(bindings.bind(lib))
-    assert lib.gemm_quant_is_vnni() == 0
+        pytest.skip(f"the {flag} build failed")
+    kernel = QuantGemm(bindings.bind(lib))
+    has_avx2 = {"avx2", "fma", "f16c"} <= cpu_flags()
+    assert lib.gemm_quant_path() == (1 if flag == "-DQUANT_NO_VNNI" and has_avx2 else 0)
     for fmt in sorted(FORMATS):
         packed, dense = _weight(fmt, 48, 256)
-        assert torch.equal(scalar.pack(quantize(torch.zeros(16, 256), fmt)),
+        assert torch.equal(kernel.pack(quantize(torch.zeros(16, 256), fmt)),
                            pack_blocks(quantize(torch.zeros(16, 256), fmt)))
-        x = torch.randn(5, 256)
-        y = scalar(x, packed)
-        _check(y, x, dense)
-        assert torch.allclose(y, quantized_linear(x, packed), rtol=1e-5, atol=1e-5 * y.abs().max().item())
+        for rows in (5, 130):
+            x = torch.randn(rows, 256)
+            y = kernel(x, packed)
+            _check(y, x, dense)
+            assert torch.allclose(y, quantized_linear(x, packed), rtol=1e-5, atol=1e-5 * y.abs().max().item())
+    blocks, x = _extreme_q8_0(32, 64)
+    y, want = kernel(x, kernel.pack(blocks)), x.double() @ dequantize(blocks, "q8_0").double().T
+    assert torch.allclose(y.double(), want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+
+
+def _extreme_q8_0(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks of codes -128 and 127 and x = +-1 (every code q = +-127) with signs that make every
+    product w q of a row one sign: the largest sums a path can meet (AVX2's 16-bit pairs: 2 x 128 x 127)."""
+    g = torch.Generator().manual_seed(1)
+    codes = torch.where(torch.rand(n, k, generator=g) < 0.5, -128, 127).to(torch.int8)
+    blocks = torch.empty(n, k // 32, 34, dtype=torch.uint8)
+    blocks[..., :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    blocks[..., 2:] = codes.view(n, k // 32, 32).view(torch.uint8)
+    x = torch.sign(codes[:2].float() + 0.5)  # row 0 of x agrees with the signs of weight rows 0 and 1
+    return blocks, x

@@ -9,7 +9,7 @@ needs no side record: `is_quantized`, `quant_type` and `quantized_shape` read it
 
 `quantized_linear(x, packed, bias)` runs the kernel on fp32 or bf16 x; `quantized_rows` dequantizes rows
 (an embedding lookup; a tied lm_head reads the same table through the kernel). Weights stay quantized
-only where the library is built (the kernel's plain C twin serves CPUs without AVX-512 VNNI); with
+only where the library is built (its AVX2 path, or plain C, serves CPUs without AVX-512 VNNI); with
 COBATCH_NO_NATIVE=1 or no compiler the loader dequantizes them, as it does every other GGUF type.
 """
 
@@ -133,7 +133,7 @@ def _check_operands(x: torch.Tensor, bias: torch.Tensor | None, n: int, k: int) 
 
 @lru_cache(maxsize=1)
 def native_quant_gemm() -> QuantGemm | None:
-    """The kernel (VNNI, or its plain C twin on other CPUs); None when native code is off or unbuilt."""
+    """The kernel (AVX-512 VNNI, AVX2 or plain C, as the CPU has); None when native code is off or unbuilt."""
     lib = load_kernels()
     return None if lib is None else QuantGemm(lib)
 

@@ -170,8 +170,8 @@ int decoder_forward(const Shape *s, const Layer *layers, int num_layers, const v
 /* qtype of the quantized entry points; the packed layouts are gemm_quant.c's (kernels/quant_linear.py). */
 enum { QUANT_Q8_0 = 0, QUANT_Q4_0 = 1, QUANT_Q4_K = 2, QUANT_Q5_0 = 3 };
 
-/* 1 when built with AVX-512 VNNI (else the same arithmetic in plain C). */
-int gemm_quant_is_vnni(void);
+/* The path built: 2 AVX-512 VNNI, 1 AVX2, 0 plain C on vectors (the same arithmetic on the same layout). */
+int gemm_quant_path(void);
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL), W packed from GGUF blocks; x, bias, y fp32 or bf16. */
 int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
                int64_t K, int is_bf16, int num_threads);

@@ -40,8 +40,9 @@
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
  * row's result does not depend on M, the tiling or the thread count. Quantizing x costs what it costs
- * llama.cpp (about 0.4% of each block's largest value). Without AVX-512 VNNI (or with -DQUANT_SCALAR) the
- * same arithmetic runs as plain C on the same layout.
+ * llama.cpp (about 0.4% of each block's largest value). Without AVX-512 VNNI the same arithmetic runs on the
+ * same layout as AVX2 (each vpdpbusd as vpmaddubsw + vpmaddwd, a panel as two 8-lane halves), else (or with
+ * -DQUANT_SCALAR) as plain C on 16-lane vectors.
  */
 #include "cobatch_kernels.h"
 
@@ -49,11 +50,22 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(QUANT_SCALAR)
-#define QUANT_VNNI 1
-#include <immintrin.h>
+/* The path this build takes: AVX-512 VNNI; else AVX2 (-DQUANT_NO_VNNI picks it on a VNNI CPU, for tests);
+ * else plain C on 16-lane vectors (-DQUANT_SCALAR anywhere). */
+#define QUANT_PLAIN 0
+#define QUANT_AVX2 1
+#define QUANT_AVX512_VNNI 2
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(QUANT_SCALAR) && \
+    !defined(QUANT_NO_VNNI)
+#define QUANT_PATH QUANT_AVX512_VNNI
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(QUANT_SCALAR)
+#define QUANT_PATH QUANT_AVX2
 #else
-#define QUANT_VNNI 0
+#define QUANT_PATH QUANT_PLAIN
+#endif
+#define QUANT_VNNI (QUANT_PATH == QUANT_AVX512_VNNI)
+#if QUANT_PATH != QUANT_PLAIN
+#include <immintrin.h>
 #endif
 
 #define QB 32   /* weights per activation block (and per Q8_0 / Q4_0 block, per Q4_K sub-block) */
@@ -199,27 +211,201 @@ static inline const uint8_t *panel_block(int qtype, const uint8_t *w, int64_t K,
 
 /* --------------------------------------------------------------------------------- the scalar path */
 
-#if !QUANT_VNNI
-/* y rows m0 .. m0 + rows, columns of panels p0 .. p0 + nz, fp32 into out (ldo floats apart). */
+#if QUANT_PATH == QUANT_PLAIN
+/* A panel's 16 rows as one vector (GCC / Clang vector extensions): the compiler maps it to the CPU's own
+ * registers (four SSE or NEON ones, two AVX2 ones), so CPUs without VNNI also take 16 rows per operation,
+ * where a loop over single weights ran ~30x slower than dequantized fp32 (AVX without AVX2: 11.5 ms
+ * against 0.12 ms for a 1536 x 576 matrix, one row). */
+#pragma GCC diagnostic ignored "-Wpsabi"  /* 64-byte vectors in registers narrower: all inlined, no call ABI */
+typedef uint32_t LaneWords __attribute__((vector_size(64)));
+typedef int32_t LaneInts __attribute__((vector_size(64)));
+typedef float LaneFloats __attribute__((vector_size(64)));
+
+INLINE LaneWords load_lanes(const uint8_t *p) { LaneWords v; memcpy(&v, p, sizeof v); return v; }
+
+/* Codes vector g of 32-block j as 16 lanes of 4 codes, one per byte (the VNNI path's operand). */
+INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
+    if (qtype == QUANT_Q8_0) return load_lanes(blk + 32 + 64 * g);
+    if (qtype == QUANT_Q4_K) return (load_lanes(blk + 256 + 512 * ((j % 8) / 2) + 64 * g) >> (j % 2 ? 4 : 0)) & 0x0f0f0f0fu;
+    const LaneWords lo = (load_lanes(blk + (qtype == QUANT_Q5_0 ? 96 : 32) + 64 * (g % 4)) >> (g < 4 ? 0 : 4)) & 0x0f0f0f0fu;
+    if (qtype == QUANT_Q4_0) return lo;
+    return lo | (((load_lanes(blk + 32) >> g) & 0x01010101u) << 4);  /* Q5_0: the fifth bit of each */
+}
+
+/* The 32 codes of 32-block j of the panel block at blk: ct[k] holds K 32 j + k of the 16 rows. */
+INLINE void block_codes(int qtype, const uint8_t *blk, int j, LaneInts ct[QB]) {
+    for (int g = 0; g < 8; g++) {
+        const LaneWords v = code_words(qtype, blk, j, g);
+        for (int t = 0; t < 4; t++) ct[4 * g + t] = (LaneInts)((v >> (8 * t)) & 0xffu);
+    }
+}
+
+/* y rows m0 .. m0 + rows, columns of panels p0 .. p0 + nz, fp32 into out (ldo floats apart): each 32-block
+ * of a panel decoded once for all rows, each row's result added up block by block in K order. */
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
                       int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes) {
-    (void)next, (void)next_bytes;  /* no prefetching in plain C */
-    for (int64_t m = 0; m < rows; m++)
-        for (int z = 0; z < nz; z++)
-            for (int lane = 0; lane < NR; lane++) {
-                float acc = 0.0f;
-                for (int64_t j = 0; j < K / QB; j++) {
-                    const uint8_t *blk = panel_block(qtype, w, K, p0 + z, j);
-                    const int8_t *xq = x->q + (m0 + m) * K + j * QB;
-                    int32_t sum = 0;
-                    for (int k = 0; k < QB; k++) sum += code_at(qtype, blk, lane, (int)j, k) * xq[k];
-                    float a, b;
-                    block_ab(qtype, blk, lane, (int)j, &a, &b);
-                    const int64_t xb = (m0 + m) * (K / QB) + j;
-                    acc += x->d[xb] * (a * (float)sum - b * (float)x->s[xb]);
-                }
-                out[m * ldo + z * NR + lane] = acc;
+    (void)next, (void)next_bytes;  /* no prefetching here */
+    const int64_t nb = K / QB;
+    const int32_t off = (int32_t)code_offset(qtype);
+    for (int z = 0; z < nz; z++) {
+        for (int64_t m = 0; m < rows; m++) memset(out + m * ldo + z * NR, 0, NR * sizeof(float));
+        for (int64_t j = 0; j < nb; j++) {
+            const uint8_t *blk = panel_block(qtype, w, K, p0 + z, j);
+            LaneInts ct[QB];
+            float ab[2][NR];
+            LaneFloats a, b;
+            block_codes(qtype, blk, (int)j, ct);
+            for (int lane = 0; lane < NR; lane++) block_ab(qtype, blk, lane, (int)j, &ab[0][lane], &ab[1][lane]);
+            memcpy(&a, ab[0], sizeof a), memcpy(&b, ab[1], sizeof b);
+            for (int64_t m = 0; m < rows; m++) {
+                const int8_t *xq = x->q + (m0 + m) * K + j * QB;
+                const int64_t xb = (m0 + m) * nb + j;
+                /* the 32-block formats start at -o sum(q), so the sum is sum(w q) / d already (as VNNI's) */
+                LaneInts sum = (LaneInts){0} + (qtype == QUANT_Q4_K ? 0 : -off * x->s[xb]);
+                for (int k = 0; k < QB; k++) sum += ct[k] * (int32_t)xq[k];
+                const LaneFloats s = __builtin_convertvector(sum, LaneFloats);
+                LaneFloats y;
+                memcpy(&y, out + m * ldo + z * NR, sizeof y);
+                y += qtype == QUANT_Q4_K ? s * x->d[xb] * a - b * (x->d[xb] * (float)x->s[xb]) : s * (a * x->d[xb]);
+                memcpy(out + m * ldo + z * NR, &y, sizeof y);
             }
+        }
+    }
+}
+#elif QUANT_PATH == QUANT_AVX2
+/* ------------------------------------------------------------------------------------ the AVX2 path */
+
+/* A panel's 16 rows as two halves of 8 lanes (h = 0, 1), and vpdpbusd's sums of 4 u8 x s8 products as
+ * vpmaddubsw (pairs, to int16) then vpmaddwd by 1 (pairs, to int32). vpmaddubsw saturates past 32767: a 4-
+ * or 5-bit code times |q| <= 127 stays far below it, Q8_0's code (w + 128) would not, so Q8_0 multiplies
+ * |w| by q carrying w's sign (llama.cpp's way) and starts at 0 instead of -o sum(q). */
+#define MR2 4  /* rows per micro-tile: 2 MR2 sums and 2 MR2 results in the 16 registers */
+
+INLINE __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* Half h of codes vector g (K 32 j + 4 g ..) of 32-block j in the panel block at blk. */
+INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    if (qtype == QUANT_Q8_0) return load256(blk + 32 + 64 * g + 32 * h);
+    if (qtype == QUANT_Q4_K) {
+        const __m256i v = load256(blk + 256 + 512 * ((j % 8) / 2) + 64 * g + 32 * h);
+        return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+    }
+    const __m256i v = load256(blk + (qtype == QUANT_Q5_0 ? 96 : 32) + 64 * (g % 4) + 32 * h);
+    const __m256i lo = _mm256_and_si256(g < 4 ? v : _mm256_srli_epi16(v, 4), low);
+    if (qtype == QUANT_Q4_0) return lo;
+    /* Q5_0: bit g of each hb byte to bit 4 (a 16-bit shift, then the byte's own bit kept) */
+    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(blk + 32 + 32 * h), g), _mm256_set1_epi8(1));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+}
+
+/* Q4_K: half h of sub-block j's a = d * scale and b = dmin * min (k4_ab's arithmetic on 8 lanes). */
+INLINE void k4_ab_half(const uint8_t *blk, int j, int h, __m256 *a, __m256 *b) {
+    const __m256i d0 = load256(blk + 64 + 32 * h), d1 = load256(blk + 128 + 32 * h);
+    const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(15), m2 = _mm256_set1_epi32(3);
+    __m256i sc, mn;
+    if (j < 4) {
+        const __m128i sh = _mm_cvtsi32_si128(8 * j);
+        sc = _mm256_and_si256(_mm256_srl_epi32(d0, sh), m6);
+        mn = _mm256_and_si256(_mm256_srl_epi32(d1, sh), m6);
+    } else {
+        const __m256i d2 = load256(blk + 192 + 32 * h);
+        const int i = j - 4;
+        const __m128i lo = _mm_cvtsi32_si128(8 * i), hi4 = _mm_cvtsi32_si128(8 * i + 4),
+                      top = _mm_cvtsi32_si128(8 * i + 6);
+        sc = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(d2, lo), m4),
+                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(d0, top), m2), 4));
+        mn = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(d2, hi4), m4),
+                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(d1, top), m2), 4));
+    }
+    *a = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h))), _mm256_cvtepi32_ps(sc));
+    *b = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h))),
+                       _mm256_cvtepi32_ps(mn));
+}
+
+INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* sum + per 32-bit lane the dot of c's 4 bytes (unsigned) with x's (signed). */
+INLINE __m256i dot4(__m256i sum, __m256i c, __m256i x) {
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), _mm256_set1_epi16(1)));
+}
+
+/* y[0..mr, 0..16) (fp32, ldo apart) = rows m0.. of x against panel p. */
+INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p,
+                 float *out, int64_t ldo) {
+    __m256 acc[MR2][2];
+    for (int m = 0; m < MR2; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    const int64_t nb = K / QB;
+    const int32_t off = qtype == QUANT_Q4_K || qtype == QUANT_Q8_0 ? 0 : (int32_t)code_offset(qtype);
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *blk = panel_block(qtype, w, K, p, j);
+        __m256i sum[MR2][2];
+#pragma GCC unroll 4
+        for (int m = 0; m < mr; m++) sum[m][0] = sum[m][1] = _mm256_set1_epi32(-off * x->s[(m0 + m) * nb + j]);
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            __m256i c[2], sign[2];
+            for (int h = 0; h < 2; h++) {
+                c[h] = half_codes(qtype, blk, (int)(j % 8), g, h);
+                if (qtype == QUANT_Q8_0) sign[h] = _mm256_xor_si256(c[h], _mm256_set1_epi8((char)0x80)),
+                                         c[h] = _mm256_abs_epi8(sign[h]);
+            }
+#pragma GCC unroll 4
+            for (int m = 0; m < mr; m++) {
+                const __m256i xq = _mm256_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
+                for (int h = 0; h < 2; h++)
+                    sum[m][h] = dot4(sum[m][h], c[h], qtype == QUANT_Q8_0 ? _mm256_sign_epi8(xq, sign[h]) : xq);
+            }
+        }
+        __m256 a[2], b[2];
+        for (int h = 0; h < 2; h++) {
+            if (qtype == QUANT_Q4_K) k4_ab_half(blk, (int)(j % 8), h, &a[h], &b[h]);
+            else a[h] = b[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < mr; m++) {
+            const int64_t xb = (m0 + m) * nb + j;
+            const __m256 dx = _mm256_set1_ps(x->d[xb]), dxs = _mm256_set1_ps(x->d[xb] * (float)x->s[xb]);
+            for (int h = 0; h < 2; h++) {
+                const __m256 s = _mm256_cvtepi32_ps(sum[m][h]);
+                if (qtype == QUANT_Q4_K)
+                    acc[m][h] = _mm256_fnmadd_ps(b[h], dxs, _mm256_fmadd_ps(_mm256_mul_ps(s, dx), a[h], acc[m][h]));
+                else acc[m][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(a[h], dx), acc[m][h]);
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + m * ldo + 8 * h, acc[m][h]);
+}
+
+/* Each (format, mr) its own unrolled copy: the tile sizes must be literals for the registers. */
+#define QCASE2(R) case R: tile(qtype, x, m0, R, w, K, p, out, ldo); break;
+_Static_assert(MR2 == 4, "the tile cases below cover mr <= 4");
+#define QTILE_FN(NAME, QT)                                                                                   \
+    static void NAME(const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p,          \
+                     float *out, int64_t ldo) {                                                              \
+        const int qtype = QT;                                                                                \
+        switch (mr) { QCASE2(1) QCASE2(2) QCASE2(3) QCASE2(4) default: break; }                               \
+    }
+QTILE_FN(tile_q8_0, QUANT_Q8_0)
+QTILE_FN(tile_q4_0, QUANT_Q4_0)
+QTILE_FN(tile_q4_k, QUANT_Q4_K)
+QTILE_FN(tile_q5_0, QUANT_Q5_0)
+
+/* Rows m0 .. m0 + rows against panels p0 .. p0 + nz, a panel at a time (its blocks then stay in L1 for
+ * every micro-tile of rows); the hardware prefetcher streams the panels. */
+static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
+                      int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes) {
+    (void)next, (void)next_bytes;
+    for (int z = 0; z < nz; z++)
+        for (int64_t m = 0; m < rows; m += MR2) {
+            const int mr = (int)(rows - m < MR2 ? rows - m : MR2);
+            float *o = out + m * ldo + z * NR;
+            if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0 + z, o, ldo);
+            else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0 + z, o, ldo);
+            else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0 + z, o, ldo);
+            else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo);
+        }
 }
 #else
 /* ---------------------------------------------------------------------------- the AVX-512 VNNI path */
@@ -403,7 +589,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 
 /* ----------------------------------------------------------------------------------- entry points */
 
-int gemm_quant_is_vnni(void) { return QUANT_VNNI; }
+int gemm_quant_path(void) { return QUANT_PATH; }
 
 static int check_shape(int qtype, int64_t N, int64_t K) {
     return qtype >= 0 && qtype <= 3 && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
