@@ -330,9 +330,14 @@ INLINE __m256i dot4(__m256i sum, __m256i c, __m256i x) {
     return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), _mm256_set1_epi16(1)));
 }
 
-/* y[0..mr, 0..16) (fp32, ldo apart) = rows m0.. of x against panel p. */
+#ifndef PREFETCH_J2
+#define PREFETCH_J2 4
+#endif
+
+/* y[0..mr, 0..16) (fp32, ldo apart) = rows m0.. of x against panel p; `stream`: the first micro-tile of the
+ * panel, which reads it from memory, asks for the 32-block PREFETCH_J2 ahead. */
 INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p,
-                 float *out, int64_t ldo) {
+                 float *out, int64_t ldo, int stream) {
     __m256 acc[MR2][2];
     for (int m = 0; m < MR2; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     const int64_t nb = K / QB;
@@ -340,6 +345,11 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *blk = panel_block(qtype, w, K, p, j);
         __m256i sum[MR2][2];
+        if (stream) {
+            const int64_t step = PANEL_BYTES[qtype] * QB / BLOCK_K[qtype];  /* a 32-block's bytes */
+            const uint8_t *ahead = panel_block(qtype, w, K, p, 0) + (j + PREFETCH_J2) * step;
+            for (int64_t b = 0; b < step; b += 64) _mm_prefetch((const char *)ahead + b, _MM_HINT_T0);
+        }
 #pragma GCC unroll 4
         for (int m = 0; m < mr; m++) sum[m][0] = sum[m][1] = _mm256_set1_epi32(-off * x->s[(m0 + m) * nb + j]);
 #pragma GCC unroll 8
@@ -379,11 +389,11 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 }
 
 /* Each (format, mr) its own unrolled copy: the tile sizes must be literals for the registers. */
-#define QCASE2(R) case R: tile(qtype, x, m0, R, w, K, p, out, ldo); break;
+#define QCASE2(R) case R: tile(qtype, x, m0, R, w, K, p, out, ldo, stream); break;
 _Static_assert(MR2 == 4, "the tile cases below cover mr <= 4");
 #define QTILE_FN(NAME, QT)                                                                                   \
     static void NAME(const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p,          \
-                     float *out, int64_t ldo) {                                                              \
+                     float *out, int64_t ldo, int stream) {                                                  \
         const int qtype = QT;                                                                                \
         switch (mr) { QCASE2(1) QCASE2(2) QCASE2(3) QCASE2(4) default: break; }                               \
     }
@@ -401,10 +411,11 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
         for (int64_t m = 0; m < rows; m += MR2) {
             const int mr = (int)(rows - m < MR2 ? rows - m : MR2);
             float *o = out + m * ldo + z * NR;
-            if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0 + z, o, ldo);
-            else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0 + z, o, ldo);
-            else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0 + z, o, ldo);
-            else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo);
+            const int stream = m == 0;
+            if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
         }
 }
 #else
