@@ -385,6 +385,21 @@ def test_stale_stats_are_marked_penalised_and_keep_local_bookkeeping() -> None:
     assert decision.chosen == "r2" and "stale" not in decision.reason.split(";")[0]
 
 
+def test_a_controller_late_with_every_record_lets_the_cached_prefix_decide() -> None:
+    """Both records stale (a busy host delays the controller), the prefix holder's 0.4 s more: both are
+    marked, neither pays for being late beside the other, and the cached prefix wins."""
+    state = state_with(fake_stats("r1", time_s=NOW - 1.2), fake_stats("r2", time_s=NOW - 1.6))
+    state.index.record_routed("r2", prompt_block_hashes(user_prompt(0), BLOCK_SIZE))
+    decision = state.decide(query("q", user_prompt(1)), ["r1", "r2"], NOW)
+    assert all(c.is_stale and c.penalty_s == 0.0 for c in decision.candidates)
+    assert decision.chosen == "r2"
+    later = state.decide(query("q2", user_prompt(2)), ["r1", "r2"], NOW + 1.0)  # both later, 0.4 s apart
+    assert {c.replica_id: c.penalty_s for c in later.candidates} == {"r1": 0.0, "r2": pytest.approx(0.0)}
+    state.update_stats(fake_stats("r1", time_s=NOW + 1.0))
+    fresh = state.decide(query("q3", user_prompt(3)), ["r1", "r2"], NOW + 1.0)  # r2 2.6 s behind r1
+    assert {c.replica_id: c.penalty_s for c in fresh.candidates} == {"r1": 0.0, "r2": pytest.approx(1.6)}
+
+
 def test_a_replica_without_stats_is_scored_as_idle_like_the_others() -> None:
     state = state_with(fake_stats("r1", num_running=8, num_running_tokens=800))
     decision = state.decide(query("q", list(range(32))), ["r1", "new"], NOW)

@@ -72,7 +72,8 @@ class RoutingState:
         block_hashes = prompt_block_hashes(query.prompt_token_ids, self.block_size)
         usable = block_hashes[:max_cached_blocks(len(query.prompt_token_ids), self.block_size)]
         pooled = self._pooled_coefficients() if self.config.pool_step_models else None
-        candidates = [self._score(query, replica_id, usable, now_s, pooled)
+        freshest_age_s = min((now_s - self.stats[r].time_s for r in replica_ids if r in self.stats), default=0.0)
+        candidates = [self._score(query, replica_id, usable, now_s, pooled, freshest_age_s)
                       for replica_id in replica_ids]
         decision = choose(query, candidates, now_s)
         if decision.chosen is not None:
@@ -81,7 +82,7 @@ class RoutingState:
         return decision
 
     def _score(self, query: RouteQuery, replica_id: str, usable_hashes: list[int], now_s: float,
-               pooled: tuple[Coefficients, Coefficients] | None) -> CandidateScore:
+               pooled: tuple[Coefficients, Coefficients] | None, freshest_age_s: float) -> CandidateScore:
         stats = self.stats.get(replica_id)
         has_stats = stats is not None
         if stats is None:
@@ -92,7 +93,7 @@ class RoutingState:
                                         decode_coefficients=pooled[1])
         return score_candidate(query, stats, self.ledger.load(replica_id),
                                self.index.num_matched_blocks(replica_id, usable_hashes), now_s,
-                               self.config, self._fallback_coefficients(), has_stats)
+                               self.config, self._fallback_coefficients(), has_stats, freshest_age_s)
 
     def _book(self, query: RouteQuery, decision: RoutingDecision, block_hashes: list[int],
               now_s: float) -> None:

@@ -20,7 +20,9 @@ steps add to the rows already running there (K = RouterConfig.num_scored_steps, 
 and a replica's speed are terms of the same sum, in seconds, so no threshold decides between them.
 A replica whose free KV blocks would not hold the request makes it wait for running requests to
 finish and give theirs back: that wait is part of its TTFT (`kv_full_penalty_s` only when nothing
-running there would free any). Stale stats pay per second of staleness; a replica that would miss the
+running there would free any). Stats older than the freshest candidate's by more than `max_stats_age_s`
+pay per second beyond (a controller late with every record, on a busy host, says nothing about any one
+replica, and the phases of their periods would decide); a replica that would miss the
 deadline, whose queue is at its bound, or that cannot hold the prompt at all, is excluded.
 """
 
@@ -49,8 +51,8 @@ ROUTED, FULL, DEADLINE, UNAVAILABLE = "routed", "full", "deadline", "unavailable
 class RouterConfig:
     """Weights and limits of the cost; the defaults are what the router ships with."""
 
-    max_stats_age_s: float = 1.0  # older stats are marked stale and pay stale_penalty_per_s
-    stale_penalty_per_s: float = 1.0  # seconds of score per second of staleness beyond the limit
+    max_stats_age_s: float = 1.0  # older stats are marked stale; older than the freshest's + this pay
+    stale_penalty_per_s: float = 1.0  # seconds of score per second of staleness beyond that
     num_scored_steps: int = 16  # K: decode steps of TPOT (own and imposed) counted in the score
     kv_full_penalty_s: float = 60.0  # KV short and nothing running to free it: chosen last
     default_mean_output_tokens: float = 128.0  # until a replica reports its own mean
@@ -297,8 +299,9 @@ def _exclusion(query: RouteQuery, stats: ReplicaStats, load: InFlightLoad, ttft_
 
 def score_candidate(query: RouteQuery, stats: ReplicaStats, load: InFlightLoad, num_prefix_blocks: int,
                     now_s: float, config: RouterConfig, fallback: Coefficients | None = None,
-                    has_stats: bool = True) -> CandidateScore:
-    """Predict the request's figures on one replica and price them (module docstring)."""
+                    has_stats: bool = True, freshest_age_s: float = 0.0) -> CandidateScore:
+    """Predict the request's figures on one replica and price them (module docstring); freshest_age_s:
+    the age of the freshest candidate's stats."""
     num_prompt = len(query.prompt_token_ids)
     pred = _predict(stats, load, num_prompt, num_prefix_blocks, fallback or config.prior_coefficients,
                     config)
@@ -309,8 +312,9 @@ def score_candidate(query: RouteQuery, stats: ReplicaStats, load: InFlightLoad, 
     ttft_s = pred.ttft_s + max((kv_wait_s or 0.0) - pred.seat_wait_s, 0.0)
     age_s = now_s - stats.time_s if has_stats else None
     is_stale = age_s is not None and age_s > config.max_stats_age_s
+    staler_s = age_s - max(freshest_age_s, 0.0) - config.max_stats_age_s if age_s is not None else 0.0
     penalty_s = (config.kv_full_penalty_s if kv_wait_s is None else 0.0) + (
-        config.stale_penalty_per_s * (age_s - config.max_stats_age_s) if is_stale else 0.0)
+        config.stale_penalty_per_s * staler_s if staler_s > 0 else 0.0)
     num_steps = min(config.num_scored_steps, query.max_tokens or config.num_scored_steps)
     score_s = (ttft_s + pred.num_other_rows * pred.prefill_s
                + num_steps * (pred.tpot_s + pred.num_other_rows * pred.step_increase_s) + penalty_s)
