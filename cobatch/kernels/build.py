@@ -23,7 +23,7 @@ _CSRC = Path(__file__).parent / "csrc"
 # Not -ffast-math: linking with it pulls in crtfastmath, which sets FTZ/DAZ for the whole process
 # (denormals become 0, e.g. top_p=5e-324 compares equal to 0). These flags allow the same
 # vectorized reductions without touching the floating-point environment.
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+COMPILE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _COMPILE_TIMEOUT_S = 240  # all sources in one call
 _DISABLE_ENV = "COBATCH_NO_NATIVE"  # set to 1 to force the pure-torch path (A/B measurements)
@@ -49,7 +49,7 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 def build_library(extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile every source into a cache path keyed by the sources (and header), flags and CPU; reuse it
     when present."""
-    sources, flags = sorted(_CSRC.glob("*.c")), (*_FLAGS, *extra_flags)
+    sources, flags = sorted(_CSRC.glob("*.c")), (*COMPILE_FLAGS, *extra_flags)
     target = _cache_dir() / f"{_LIBRARY_NAME}-{_build_key(flags)}.so"
     if target.exists():
         return target

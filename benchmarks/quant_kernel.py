@@ -1,0 +1,112 @@
+"""`python -m benchmarks.quant_kernel`: csrc/gemm_quant.c's builds timed side by side, one thread.
+
+Each format (Q8_0, Q4_0, Q4_K, Q5_0) on an N x K matrix at M = 1 and 16 rows, weights out of cache (a ring
+of copies larger than the last-level cache), against torch's fp32 `F.linear` on the dense matrix (a ring
+too). Builds: this CPU's own path (AVX-512 VNNI, AVX2 or plain C), the plain C path (-DQUANT_SCALAR), and
+with --baseline REV the gemm_quant.c of a git revision (its own default path), each compiled alone with the
+library's flags. Prints a table and writes JSON.
+
+    .venv/bin/python -m benchmarks.quant_kernel [--baseline HEAD~1] [--n 1536 --k 1536] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from cobatch.bench.common import write_json
+from cobatch.kernels.build import COMPILE_FLAGS
+from cobatch.models.quantization import quantize
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "cobatch/kernels/csrc"
+QTYPES = {"q8_0": 0, "q4_0": 1, "q4_k": 2, "q5_0": 3}
+RING_BYTES = 96 << 20  # past any last-level cache here
+
+
+def build(source: Path, header_dir: Path, flags: tuple[str, ...], out: Path) -> ctypes.CDLL:
+    """gemm_quant.c alone as a shared library, its two entry points typed."""
+    subprocess.run(["gcc", *COMPILE_FLAGS, *flags, "-I", str(header_dir), str(source), "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.gemm_quant.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.quant_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_int]
+    return lib
+
+
+def builds(tmp: Path, baseline: str | None) -> dict[str, ctypes.CDLL]:
+    libs = {"this CPU's path": build(CSRC / "gemm_quant.c", CSRC, (), tmp / "native.so"),
+            "plain C": build(CSRC / "gemm_quant.c", CSRC, ("-DQUANT_SCALAR",), tmp / "plain.so")}
+    if baseline:
+        old = tmp / "old"
+        old.mkdir()
+        for name in ("gemm_quant.c", "cobatch_kernels.h"):
+            text = subprocess.run(["git", "show", f"{baseline}:cobatch/kernels/csrc/{name}"], cwd=ROOT,
+                                  check=True, capture_output=True, text=True).stdout
+            (old / name).write_text(text)
+        libs[f"at {baseline}"] = build(old / "gemm_quant.c", old, (), tmp / "old.so")
+    return libs
+
+
+def seconds_per_call(fn: Callable[[], None], budget_s: float = 0.5) -> float:
+    fn()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < budget_s or calls < 3:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def ring(tensor: torch.Tensor) -> list[torch.Tensor]:
+    return [tensor.clone() for _ in range(max(2, RING_BYTES // (tensor.numel() * tensor.element_size())))]
+
+
+def run(libs: dict[str, ctypes.CDLL], n: int, k: int) -> list[dict]:
+    results = []
+    for fmt, qtype in QTYPES.items():
+        blocks = quantize(torch.randn(n, k) * 0.1, fmt).contiguous()
+        packed = torch.empty_like(blocks)
+        next(iter(libs.values())).quant_pack(blocks.data_ptr(), qtype, n, k, packed.data_ptr(), 1)
+        weights, dense = ring(packed), ring(torch.randn(n, k))
+        for m in (1, 16):
+            x, y = torch.randn(m, k), torch.empty(m, n)
+            cell = {"format": fmt, "m": m, "ms": {}}
+            for name, lib in libs.items():
+                calls = iter(range(1 << 62))
+                cell["ms"][name] = 1e3 * seconds_per_call(lambda: lib.gemm_quant(
+                    x.data_ptr(), weights[next(calls) % len(weights)].data_ptr(), qtype, None, y.data_ptr(),
+                    m, n, k, 0, 1))
+            calls = iter(range(1 << 62))
+            cell["ms"]["torch fp32"] = 1e3 * seconds_per_call(
+                lambda: torch.nn.functional.linear(x, dense[next(calls) % len(dense)]))
+            print(f"{fmt} M={m:2d}: " + " | ".join(f"{name} {v:.3f} ms" for name, v in cell["ms"].items()),
+                  flush=True)
+            results.append(cell)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", help="a git revision whose gemm_quant.c is timed beside this one")
+    parser.add_argument("--n", type=int, default=1536)
+    parser.add_argument("--k", type=int, default=1536)
+    parser.add_argument("--json", default="/tmp/quant_kernel.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run(builds(Path(tmp), args.baseline), args.n, args.k)
+    write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "results": results})
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
