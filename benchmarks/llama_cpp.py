@@ -266,7 +266,7 @@ def plot(results: list[dict], path: Path) -> None:
 
     labels = [f"{r['shape']}\n{r['format']}" for r in results]
     xs = range(len(results))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(results)), 4.2))
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.1 * len(results)), 4.2))  # room for each cell's label
     ax.bar([x - 0.2 for x in xs], [r["single_ratio"] for r in results], 0.4, label="one stream")
     ax.bar([x + 0.2 for x in xs], [r["batch_ratio"] for r in results], 0.4, label="batch")
     for level in (1.0, 2.0):

@@ -214,8 +214,8 @@ static inline const uint8_t *panel_block(int qtype, const uint8_t *w, int64_t K,
 #if QUANT_PATH == QUANT_PLAIN
 /* A panel's 16 rows as one vector (GCC / Clang vector extensions): the compiler maps it to the CPU's own
  * registers (four SSE or NEON ones), so a CPU with neither AVX-512 VNNI nor AVX2 still takes 16 rows per
- * operation: 1.6-2.9x a loop over single weights (Zen 3 built with -DQUANT_SCALAR, 1 thread, 1536 x 1536
- * Q4_0: one row 5.1 -> 3.3 ms, 16 rows 113 -> 39 ms), though ~20x slower than the AVX2 path below. */
+ * operation: 1.4-4.5x a loop over single weights (benchmarks/quant_kernel.py, a Zen 3 built with
+ * -DQUANT_SCALAR, 1 thread: Q4_0 one row 5.3 -> 3.6 ms, 16 rows 93 -> 39 ms), 13-48x slower than AVX2's. */
 #pragma GCC diagnostic ignored "-Wpsabi"  /* 64-byte vectors in registers narrower: all inlined, no call ABI */
 typedef uint32_t LaneWords __attribute__((vector_size(64)));
 typedef int32_t LaneInts __attribute__((vector_size(64)));
