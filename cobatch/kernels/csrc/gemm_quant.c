@@ -214,7 +214,7 @@ static inline const uint8_t *panel_block(int qtype, const uint8_t *w, int64_t K,
 #if QUANT_PATH == QUANT_PLAIN
 /* A panel's 16 rows as one vector (GCC / Clang vector extensions): the compiler maps it to the CPU's own
  * registers (four SSE or NEON ones), so a CPU with neither AVX-512 VNNI nor AVX2 still takes 16 rows per
- * operation: 1.4-4.5x a loop over single weights (benchmarks/quant_kernel.py, a Zen 3 built with
+ * operation: 1.4-4.5x a loop over single weights (scripts/quant_builds_microbench.py, a Zen 3 built with
  * -DQUANT_SCALAR, 1 thread: Q4_0 one row 5.3 -> 3.6 ms, 16 rows 93 -> 39 ms), 13-48x slower than AVX2's. */
 #pragma GCC diagnostic ignored "-Wpsabi"  /* 64-byte vectors in registers narrower: all inlined, no call ABI */
 typedef uint32_t LaneWords __attribute__((vector_size(64)));
@@ -226,8 +226,10 @@ INLINE LaneWords load_lanes(const uint8_t *p) { LaneWords v; memcpy(&v, p, sizeo
 /* Codes vector g of 32-block j as 16 lanes of 4 codes, one per byte (the VNNI path's operand). */
 INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
     if (qtype == QUANT_Q8_0) return load_lanes(blk + 32 + 64 * g);
-    if (qtype == QUANT_Q4_K) return (load_lanes(blk + 256 + 512 * ((j % 8) / 2) + 64 * g) >> (j % 2 ? 4 : 0)) & 0x0f0f0f0fu;
-    const LaneWords lo = (load_lanes(blk + (qtype == QUANT_Q5_0 ? 96 : 32) + 64 * (g % 4)) >> (g < 4 ? 0 : 4)) & 0x0f0f0f0fu;
+    if (qtype == QUANT_Q4_K)
+        return (load_lanes(blk + 256 + 512 * ((j % 8) / 2) + 64 * g) >> (j % 2 ? 4 : 0)) & 0x0f0f0f0fu;
+    const LaneWords v = load_lanes(blk + (qtype == QUANT_Q5_0 ? 96 : 32) + 64 * (g % 4));
+    const LaneWords lo = (v >> (g < 4 ? 0 : 4)) & 0x0f0f0f0fu;
     if (qtype == QUANT_Q4_0) return lo;
     return lo | (((load_lanes(blk + 32) >> g) & 0x01010101u) << 4);  /* Q5_0: the fifth bit of each */
 }
@@ -255,7 +257,8 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
             float ab[2][NR];
             LaneFloats a, b;
             block_codes(qtype, blk, (int)j, ct);
-            for (int lane = 0; lane < NR; lane++) block_ab(qtype, blk, lane, (int)j, &ab[0][lane], &ab[1][lane]);
+            for (int lane = 0; lane < NR; lane++)
+                block_ab(qtype, blk, lane, (int)j, &ab[0][lane], &ab[1][lane]);
             memcpy(&a, ab[0], sizeof a), memcpy(&b, ab[1], sizeof b);
             for (int64_t m = 0; m < rows; m++) {
                 const int8_t *xq = x->q + (m0 + m) * K + j * QB;

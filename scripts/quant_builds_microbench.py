@@ -1,4 +1,6 @@
-"""`python -m benchmarks.quant_kernel`: csrc/gemm_quant.c's builds timed side by side, one thread.
+"""csrc/gemm_quant.c's builds timed side by side, one thread.
+
+scripts/quant_microbench.py times the library's own build against the read bandwidth; this one compares builds.
 
 Each format (Q8_0, Q4_0, Q4_K, Q5_0) on an N x K matrix at M = 1 and 16 rows, weights out of cache (a ring
 of copies larger than the last-level cache), against torch's fp32 `F.linear` on the dense matrix (a ring
@@ -6,7 +8,7 @@ too). Builds: this CPU's own path (AVX-512 VNNI, AVX2 or plain C), the plain C p
 with --baseline REV the gemm_quant.c of a git revision (its own default path), each compiled alone with the
 library's flags. Prints a table and writes JSON.
 
-    .venv/bin/python -m benchmarks.quant_kernel [--baseline HEAD~1] [--n 1536 --k 1536] [--json PATH]
+    .venv/bin/python scripts/quant_builds_microbench.py [--baseline HEAD~1] [--n 1536 --k 1536] [--json PATH]
 """
 
 from __future__ import annotations
