@@ -398,6 +398,9 @@ def test_a_controller_late_with_every_record_lets_the_cached_prefix_decide() -> 
     state.update_stats(fake_stats("r1", time_s=NOW + 1.0))
     fresh = state.decide(query("q3", user_prompt(3)), ["r1", "r2"], NOW + 1.0)  # r2 2.6 s behind r1
     assert {c.replica_id: c.penalty_s for c in fresh.candidates} == {"r1": 0.0, "r2": pytest.approx(1.6)}
+    with_new = state.decide(query("q4", user_prompt(4)), ["r1", "r2", "new"], NOW + 1.5)  # "new": no stats
+    assert {c.replica_id: c.penalty_s for c in with_new.candidates} == {
+        "r1": 0.0, "r2": pytest.approx(2.1), "new": 0.0}
 
 
 def test_a_replica_without_stats_is_scored_as_idle_like_the_others() -> None:

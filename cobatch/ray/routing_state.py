@@ -72,7 +72,9 @@ class RoutingState:
         block_hashes = prompt_block_hashes(query.prompt_token_ids, self.block_size)
         usable = block_hashes[:max_cached_blocks(len(query.prompt_token_ids), self.block_size)]
         pooled = self._pooled_coefficients() if self.config.pool_step_models else None
-        freshest_age_s = min((now_s - self.stats[r].time_s for r in replica_ids if r in self.stats), default=0.0)
+        # a replica without stats yet is scored as idle now: as fresh as stats get
+        freshest_age_s = min((now_s - self.stats[r].time_s if r in self.stats else 0.0 for r in replica_ids),
+                             default=0.0)
         candidates = [self._score(query, replica_id, usable, now_s, pooled, freshest_age_s)
                       for replica_id in replica_ids]
         decision = choose(query, candidates, now_s)
