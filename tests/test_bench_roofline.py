@@ -12,6 +12,8 @@ from cobatch.bench.roofline import (Machine, ModelCost, add_arguments, gap_by_st
                                    step_ideal_s, step_kind)
 from cobatch.engine import StepStats
 from cobatch.kernels.linear import is_gate_up_packed, is_packed, native_gemm
+from cobatch.models.loader import build_model
+from cobatch.models.model_config import ModelConfig
 from tests.runner_helpers import runner_for, tiny_hf_model
 
 
@@ -43,8 +45,10 @@ def test_packed_bf16_weights_cost_and_measure_like_unpacked_ones(intermediate_si
     blocks): the cost is unchanged and the machine probe runs."""
     import torch
 
-    runner = runner_for(tiny_hf_model("llama", hidden_size=64, intermediate_size=intermediate_size))
-    model = runner.model.to(torch.bfloat16)
+    hf_model = tiny_hf_model("llama", hidden_size=64, intermediate_size=intermediate_size)
+    # built outside a runner, which would pack the weights already
+    config = ModelConfig.from_hf_config(hf_model.config.to_dict())
+    model = build_model(config, hf_model.state_dict(), torch.bfloat16)
     unpacked = model_cost(model)
     assert model.pack_linear_weights() > 0
     gate_up = model.layers[0].gate_up_proj
