@@ -10,8 +10,9 @@ import torch
 from cobatch.kernels import bindings
 from cobatch.kernels.build import load_library
 from cobatch.kernels.cpu import cpu_flags
-from cobatch.kernels.quant_linear import (FORMATS, QuantGemm, is_quantized, native_quant_gemm, pack_blocks,
-                                          quant_type, quantized_linear, quantized_rows, quantized_shape)
+from cobatch.kernels.quant_linear import (FORMATS, SINGLE_STREAM_ROWS, QuantGemm, is_quantized, native_quant_gemm,
+                                          pack_blocks, quant_type, quantized_linear, quantized_rows, quantized_shape,
+                                          tune_single_stream)
 from cobatch.models.quantization import dequantize, quantize
 
 pytestmark = pytest.mark.skipif(native_quant_gemm() is None, reason="the kernels library cannot be built here")
@@ -79,6 +80,30 @@ def test_thread_count_changes_no_bits(fmt: str, threads: int) -> None:
     finally:
         torch.set_num_threads(before)
     _check(y, x, dense)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_single_stream_mode_changes_no_bits(fmt: str) -> None:
+    """Single-stream mode (one panel per task, no software prefetch: a speed choice tune_single_stream
+    makes per CPU) gives the same bits at every row count it serves, on 1 and 2 threads, with N ending on
+    a partial group of panels; tuning on these weights changes none either."""
+    kernel = native_quant_gemm()
+    packed, dense = _weight(fmt, 80, 512)
+    x = torch.randn(SINGLE_STREAM_ROWS, 512)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            kernel.set_single_stream(0)
+            want = [kernel(x[:m], packed) for m in range(1, SINGLE_STREAM_ROWS + 1)]
+            kernel.set_single_stream(SINGLE_STREAM_ROWS)
+            assert all(torch.equal(kernel(x[:m], packed), want[m - 1]) for m in range(1, SINGLE_STREAM_ROWS + 1))
+            assert isinstance(tune_single_stream([packed, packed], rounds=1), bool)
+            assert torch.equal(kernel(x[:1], packed), want[0])
+    finally:
+        torch.set_num_threads(before)
+        kernel.set_single_stream(0)
+    _check(want[-1], x, dense)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

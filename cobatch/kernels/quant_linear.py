@@ -16,6 +16,10 @@ COBATCH_NO_NATIVE=1 or no compiler the loader dequantizes them, as it does every
 from __future__ import annotations
 
 import ctypes
+import logging
+import math
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -24,6 +28,11 @@ import torch
 from cobatch.kernels.bindings import load_kernels
 
 PANEL_ROWS = 16  # output rows per packed panel (one AVX-512 vector of fp32 results)
+# The calls single-stream mode takes when it is chosen (gemm_quant.c): on a Zen 4 it was faster at 1 and 2
+# rows (1.2-1.45x at one) and slower from 4, where NZ panels per task give the tile more work per load.
+SINGLE_STREAM_ROWS = 2
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +93,7 @@ class QuantGemm:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn, self._rows, self._pack = lib.gemm_quant, lib.quant_rows, lib.quant_pack
+        self.set_single_stream = lib.gemm_quant_set_single_stream  # (max_rows): gemm_quant.c says what
 
     def pack(self, blocks: torch.Tensor) -> torch.Tensor:
         """GGUF blocks [N, nb, block_bytes] -> packed [N / 16, nb, 16 block_bytes] (pack_blocks)."""
@@ -150,3 +160,27 @@ def quantized_rows(ids: torch.Tensor, packed: torch.Tensor, dtype: torch.dtype) 
     kernel = native_quant_gemm()
     assert kernel is not None, "quantized weights exist only where the kernel does"
     return kernel.rows(ids, packed, dtype)
+
+
+def tune_single_stream(weights: Sequence[torch.Tensor], rounds: int = 3) -> bool:
+    """Turn gemm_quant's single-stream mode on where it is faster on these packed weights: one row (a
+    one-stream decode) through every matrix in turn, as a decode step streams them from memory, timed in
+    both modes alternately (the best of `rounds` each: a noisy moment hits both). Which mode a CPU's
+    prefetchers prefer differs between CPUs; the results' bits do not. Returns whether it is on."""
+    kernel = native_quant_gemm()
+    if kernel is None or not weights:
+        return False
+    rows = {k: torch.randn(1, k) for k in {quantized_shape(w)[1] for w in weights}}
+    best = {0: math.inf, SINGLE_STREAM_ROWS: math.inf}
+    for _ in range(rounds):
+        for mode in best:
+            kernel.set_single_stream(mode)
+            start = time.perf_counter()
+            for w in weights:
+                kernel(rows[quantized_shape(w)[1]], w)
+            best[mode] = min(best[mode], time.perf_counter() - start)
+    chosen = min(best, key=best.__getitem__)
+    kernel.set_single_stream(chosen)
+    logger.info("quantized GEMM: single-stream mode %s for up to %d rows (%.2f ms vs %.2f ms a pass)",
+                "on" if chosen else "off", SINGLE_STREAM_ROWS, 1e3 * best[SINGLE_STREAM_ROWS], 1e3 * best[0])
+    return chosen > 0

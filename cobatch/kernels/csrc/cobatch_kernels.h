@@ -172,6 +172,8 @@ enum { QUANT_Q8_0 = 0, QUANT_Q4_0 = 1, QUANT_Q4_K = 2, QUANT_Q5_0 = 3 };
 
 /* The path built: 2 AVX-512 VNNI, 1 AVX2, 0 plain C on vectors (the same arithmetic on the same layout). */
 int gemm_quant_path(void);
+/* Calls of at most max_rows rows stream one panel per task, no software prefetch (0: never; a speed choice). */
+void gemm_quant_set_single_stream(int max_rows);
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL), W packed from GGUF blocks; x, bias, y fp32 or bf16. */
 int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
                int64_t K, int is_bf16, int num_threads);

@@ -36,7 +36,9 @@
  * run of them (at decode sizes: its part of the weight, streamed in order). A micro-tile of MR rows x NZ
  * panels keeps 2 MR NZ vectors (the block's integer sums and the fp32 results) in registers. A task's first
  * micro-tile reads its panels from memory, the others from L2, and those bring the next task's panels
- * into L2 as they go (ahead_slice).
+ * into L2 as they go (ahead_slice); Q4_K's scales, unpacked by the first, are kept for the others
+ * (ScaleCache). Calls of one or two rows can instead take one panel per task with no software prefetch
+ * (single-stream mode, chosen per CPU at load: gemm_quant_set_single_stream).
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
  * row's result does not depend on M, the tiling or the thread count. Quantizing x costs what it costs
@@ -209,6 +211,21 @@ static inline const uint8_t *panel_block(int qtype, const uint8_t *w, int64_t K,
     return w + (panel * blocks + j * QB / BLOCK_K[qtype]) * PANEL_BYTES[qtype];
 }
 
+/* Q4_K's (a, b) of a task's sub-blocks, kept for its micro-tiles of rows after the first: that one unpacks
+ * them from the 6-bit scales and stores them here, the others load them instead of unpacking them again
+ * (VNNI: at[((j NZ + z) 2 + {0: a, 1: b}) 16 + lane]; AVX2, a panel at a time: z = 0). at NULL: each tile
+ * unpacks its own (a task of one tile, or out of memory). */
+#if QUANT_PATH != QUANT_PLAIN
+typedef struct {
+    float *at;
+    int store;
+} ScaleCache;
+
+static float *scale_cache(int qtype, int64_t K, int64_t num_tiles) {
+    return qtype == QUANT_Q4_K && num_tiles > 1 ? malloc(sizeof(float) * (size_t)(K / QB * NZ * 2 * NR)) : NULL;
+}
+#endif
+
 /* ------------------------------------------------------------------------------ the plain C path */
 
 #if QUANT_PATH == QUANT_PLAIN
@@ -245,8 +262,9 @@ INLINE void block_codes(int qtype, const uint8_t *blk, int j, LaneInts ct[QB]) {
 /* y rows m0 .. m0 + rows, columns of panels p0 .. p0 + nz, fp32 into out (ldo floats apart): each 32-block
  * of a panel decoded once for all rows, each row's result added up block by block in K order. */
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
-                      int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes) {
-    (void)next, (void)next_bytes;  /* no prefetching here */
+                      int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
+                      int prefetch) {
+    (void)next, (void)next_bytes, (void)prefetch;  /* no prefetching here */
     const int64_t nb = K / QB;
     const int32_t off = (int32_t)code_offset(qtype);
     for (int z = 0; z < nz; z++) {
@@ -340,7 +358,7 @@ INLINE __m256i dot4(__m256i sum, __m256i c, __m256i x) {
 /* y[0..mr, 0..16) (fp32, ldo apart) = rows m0.. of x against panel p; `stream`: the first micro-tile of the
  * panel, which reads it from memory, asks for the 32-block PREFETCH_J2 ahead. */
 INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p,
-                 float *out, int64_t ldo, int stream) {
+                 float *out, int64_t ldo, int stream, ScaleCache kab) {
     __m256 acc[MR2][2];
     for (int m = 0; m < MR2; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     const int64_t nb = K / QB;
@@ -372,8 +390,13 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         }
         __m256 a[2], b[2];
         for (int h = 0; h < 2; h++) {
-            if (qtype == QUANT_Q4_K) k4_ab_half(blk, (int)(j % 8), h, &a[h], &b[h]);
-            else a[h] = b[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+            float *cached = kab.at != NULL ? kab.at + j * 2 * NR + 8 * h : NULL;
+            if (qtype == QUANT_Q4_K && cached != NULL && !kab.store)
+                a[h] = _mm256_loadu_ps(cached), b[h] = _mm256_loadu_ps(cached + NR);
+            else if (qtype == QUANT_Q4_K) {
+                k4_ab_half(blk, (int)(j % 8), h, &a[h], &b[h]);
+                if (cached != NULL) _mm256_storeu_ps(cached, a[h]), _mm256_storeu_ps(cached + NR, b[h]);
+            } else a[h] = b[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
         }
 #pragma GCC unroll 4
         for (int m = 0; m < mr; m++) {
@@ -392,11 +415,11 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 }
 
 /* Each (format, mr) its own unrolled copy: the tile sizes must be literals for the registers. */
-#define QCASE2(R) case R: tile(qtype, x, m0, R, w, K, p, out, ldo, stream); break;
+#define QCASE2(R) case R: tile(qtype, x, m0, R, w, K, p, out, ldo, stream, kab); break;
 _Static_assert(MR2 == 4, "the tile cases below cover mr <= 4");
 #define QTILE_FN(NAME, QT)                                                                                   \
     static void NAME(const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p,          \
-                     float *out, int64_t ldo, int stream) {                                                  \
+                     float *out, int64_t ldo, int stream, ScaleCache kab) {                                  \
         const int qtype = QT;                                                                                \
         switch (mr) { QCASE2(1) QCASE2(2) QCASE2(3) QCASE2(4) default: break; }                               \
     }
@@ -408,18 +431,22 @@ QTILE_FN(tile_q5_0, QUANT_Q5_0)
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz, a panel at a time (its blocks then stay in L1 for
  * every micro-tile of rows); the hardware prefetcher streams the panels. */
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
-                      int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes) {
+                      int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
+                      int prefetch) {
     (void)next, (void)next_bytes;
+    float *scales = scale_cache(qtype, K, (rows + MR2 - 1) / MR2);
     for (int z = 0; z < nz; z++)
         for (int64_t m = 0; m < rows; m += MR2) {
             const int mr = (int)(rows - m < MR2 ? rows - m : MR2);
             float *o = out + m * ldo + z * NR;
-            const int stream = m == 0;
-            if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            const int stream = m == 0 && prefetch;
+            const ScaleCache none = {NULL, 0}, kab = {scales, m == 0};
+            if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
+            else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
+            else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
+            else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, kab);
         }
+    free(scales);
 }
 #else
 /* ---------------------------------------------------------------------------- the AVX-512 VNNI path */
@@ -490,9 +517,9 @@ typedef struct {
 } Ahead;
 
 /* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream`: prefetch
- * the panels ahead (prefetch_ahead); else `ahead`'s bytes into L2. */
+ * the panels ahead (prefetch_ahead); else `ahead`'s bytes into L2. Q4_K: (a, b) through `kab`. */
 INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
-                 int nz, float *out, int64_t ldo, int stream, Ahead ahead) {
+                 int nz, float *out, int64_t ldo, int stream, Ahead ahead, ScaleCache kab) {
     __m512 acc[MR * NZ];
     for (int i = 0; i < MR * NZ; i++) acc[i] = _mm512_setzero_ps();
     const int64_t nb = K / QB;
@@ -528,8 +555,13 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         __m512 a[NZ], b[NZ];
 #pragma GCC unroll 4
         for (int z = 0; z < nz; z++) {
-            if (qtype == QUANT_Q4_K) k4_ab(blk[z], (int)(j % 8), &a[z], &b[z]);
-            else a[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z])), b[z] = a[z];
+            float *cached = kab.at != NULL ? kab.at + (j * NZ + z) * 2 * NR : NULL;
+            if (qtype == QUANT_Q4_K && cached != NULL && !kab.store)
+                a[z] = _mm512_loadu_ps(cached), b[z] = _mm512_loadu_ps(cached + NR);
+            else if (qtype == QUANT_Q4_K) {
+                k4_ab(blk[z], (int)(j % 8), &a[z], &b[z]);
+                if (cached != NULL) _mm512_storeu_ps(cached, a[z]), _mm512_storeu_ps(cached + NR, b[z]);
+            } else a[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z])), b[z] = a[z];
         }
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
@@ -553,12 +585,12 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 }
 
 /* Each (format, mr, nz) its own unrolled copy: the tile sizes must be literals for the registers. */
-#define QCASE(R, Z) case (R) * 4 + (Z): tile(qtype, x, m0, R, w, K, p0, Z, out, ldo, stream, ahead); break;
+#define QCASE(R, Z) case (R) * 4 + (Z): tile(qtype, x, m0, R, w, K, p0, Z, out, ldo, stream, ahead, kab); break;
 #define QCASES(R) QCASE(R, 1) QCASE(R, 2) QCASE(R, 3)
 _Static_assert(MR <= 4 && NZ <= 3, "the tile cases below cover mr <= 4, nz <= 3: a missing one computes nothing");
 #define QTILE_FN(NAME, QT)                                                                                   \
     static void NAME(const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0, int nz, \
-                     float *out, int64_t ldo, int stream, Ahead ahead) {                                     \
+                     float *out, int64_t ldo, int stream, Ahead ahead, ScaleCache kab) {                     \
         const int qtype = QT;                                                                                \
         switch (mr * 4 + nz) { QCASES(1) QCASES(2) QCASES(3) QCASES(4) default: break; }                     \
     }
@@ -586,24 +618,38 @@ static Ahead ahead_slice(int qtype, const uint8_t *next, int64_t next_bytes, int
 
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz; `next`: the next task's panels (next_bytes), or NULL. */
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
-                      int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes) {
+                      int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
+                      int prefetch) {
     const int64_t num_tiles = (rows + MR - 1) / MR;
+    float *scales = scale_cache(qtype, K, num_tiles);
     for (int64_t i = 0; i < num_tiles; i++) {
         const int64_t m = i * MR;
         const int mr = (int)(rows - m < MR ? rows - m : MR);
-        const int stream = i == 0;  /* the task's first micro-tile reads its panels from memory */
-        const Ahead ahead = ahead_slice(qtype, next, next_bytes, num_tiles, i, K);
-        if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo, stream, ahead);
-        else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo, stream, ahead);
-        else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo, stream, ahead);
-        else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, out + m * ldo, ldo, stream, ahead);
+        const int stream = i == 0 && prefetch;  /* the task's first micro-tile reads its panels from memory */
+        const Ahead ahead = prefetch ? ahead_slice(qtype, next, next_bytes, num_tiles, i, K) : (Ahead){NULL, 0};
+        float *o = out + m * ldo;
+        const ScaleCache none = {NULL, 0}, kab = {scales, i == 0};
+        if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
+        else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
+        else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
+        else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, kab);
     }
+    free(scales);
 }
 #endif
 
 /* ----------------------------------------------------------------------------------- entry points */
 
 int gemm_quant_path(void) { return QUANT_PATH; }
+
+/* Single-stream mode: calls of at most this many rows take one panel per task and no software prefetch, so
+ * each thread reads one sequential stream, which some CPUs' hardware prefetchers follow faster than NZ
+ * streams kept in flight by hand (a Zen 4 at M = 1: 1.2-1.45x) and others slower; kernels/quant_linear.py
+ * times both on the model's own weights at load and sets the faster (0: off). The result's bits do not
+ * depend on it. */
+static int single_stream_rows = 0;
+
+void gemm_quant_set_single_stream(int max_rows) { single_stream_rows = max_rows; }
 
 static int check_shape(int qtype, int64_t N, int64_t K) {
     return qtype >= 0 && qtype <= 3 && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
@@ -634,7 +680,9 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
         free(r.q), free(r.d), free(r.s);
         return -1;
     }
-    const int64_t panels = N / NR, groups = (panels + NZ - 1) / NZ, chunks = (M + MC - 1) / MC;
+    /* a group: the panels of one task (one in single-stream mode) */
+    const int single = M <= single_stream_rows, gz = single ? 1 : NZ;
+    const int64_t panels = N / NR, groups = (panels + gz - 1) / gz, chunks = (M + MC - 1) / MC;
     const int64_t tasks = groups * chunks;
     int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
     if (threads > tasks) threads = (int)tasks;
@@ -646,16 +694,16 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t g = task / chunks, m0 = task % chunks * MC, rows = M - m0 < MC ? M - m0 : MC;
-            const int nz = (int)(panels - g * NZ < NZ ? panels - g * NZ : NZ);
+            const int nz = (int)(panels - g * gz < gz ? panels - g * gz : gz);
             void *y0 = (char *)y + (is_bf16 ? 2 : 4) * (size_t)(m0 * N);
-            float *out = is_bf16 ? tmp : (float *)y0 + g * NZ * NR;
+            float *out = is_bf16 ? tmp : (float *)y0 + g * gz * NR;
             /* this thread's next task (static order): the next group, once this is the last chunk */
-            const int64_t nz_next = g + 1 < groups ? (panels - (g + 1) * NZ < NZ ? panels - (g + 1) * NZ : NZ) : 0;
+            const int64_t nz_next = g + 1 < groups ? (panels - (g + 1) * gz < gz ? panels - (g + 1) * gz : gz) : 0;
             const int is_last_chunk = m0 + MC >= M;
-            const uint8_t *next = is_last_chunk && nz_next ? panel_block(qtype, wq, K, (g + 1) * NZ, 0) : NULL;
-            tile_rows(qtype, &r, m0, rows, (const uint8_t *)wq, K, g * NZ, nz, out, is_bf16 ? nz * NR : N, next,
-                      nz_next * (K / BLOCK_K[qtype]) * PANEL_BYTES[qtype]);
-            if (is_bf16 || bias != NULL) finish_rows(tmp, rows, nz * NR, bias, y0, N, g * NZ * NR, is_bf16);
+            const uint8_t *next = is_last_chunk && nz_next ? panel_block(qtype, wq, K, (g + 1) * gz, 0) : NULL;
+            tile_rows(qtype, &r, m0, rows, (const uint8_t *)wq, K, g * gz, nz, out, is_bf16 ? nz * NR : N, next,
+                      nz_next * (K / BLOCK_K[qtype]) * PANEL_BYTES[qtype], !single);
+            if (is_bf16 || bias != NULL) finish_rows(tmp, rows, nz * NR, bias, y0, N, g * gz * NR, is_bf16);
         }
     }
     free(r.q), free(r.d), free(r.s);
