@@ -1,9 +1,10 @@
-"""This CPU's compute peaks on one thread: int8 multiply-adds (AVX-512 VNNI's vpdpbusd) and fp32 FMAs (AVX-512F).
+"""This CPU's compute peaks on one thread: int8 multiply-adds (AVX-512 VNNI's vpdpbusd), fp32 FMAs (AVX-512F)
+and, where the CPU has AVX512-BF16, bf16 pair dot products (vdpbf16ps).
 
 What a batch's ceiling is made of: at batch 16 a decode step is compute-bound, so no engine serves a
 batch faster than its multiply-adds over the peak rate of the instruction it needs (int8 dot products
-for Q8_0 / Q4_0 weights against int8-quantized activations; fp32 FMAs for bf16 weights on a CPU without
-AVX512-BF16, where both cobatch and llama.cpp widen bf16 to fp32). Measured by a C loop of 12
+for Q8_0 / Q4_0 weights against int8-quantized activations; bf16 dot products for bf16 weights where the
+CPU has them, else fp32 FMAs, as both cobatch and llama.cpp then widen bf16 to fp32). Measured by a C loop of 12
 independent accumulators (no loads, nothing but the instruction), compiled here with the system's C
 compiler, timed for ~0.5 s each, the best of 5 runs.
 
@@ -46,10 +47,24 @@ int main(void) {
         __asm__ volatile("" : "+v"(x));
     }
     const double fp32_s = now() - t;
+    double bf16_rate = 0.0; /* 0: no AVX512-BF16 */
+#ifdef __AVX512BF16__
+    __m512 h[12];
+    __m512i p = _mm512_set1_epi16(0x3f00), q = _mm512_set1_epi16(0x3e80); /* bf16 0.5, 0.25 */
+    for (int i = 0; i < 12; i++) h[i] = _mm512_setzero_ps();
+    t = now();
+    for (long r = 0; r < reps; r++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) h[i] = _mm512_dpbf16_ps(h[i], (__m512bh)p, (__m512bh)q);
+        __asm__ volatile("" : "+v"(p));
+    }
+    bf16_rate = reps * 12.0 * 32 / (now() - t);
+    for (int i = 0; i < 12; i++) f[i] = _mm512_add_ps(f[i], h[i]);
+#endif
     __m512i sa = a[0];
     __m512 sf = f[0];
     for (int i = 1; i < 12; i++) sa = _mm512_add_epi32(sa, a[i]), sf = _mm512_add_ps(sf, f[i]);
-    printf("%.6e %.6e %d %f\n", reps * 12.0 * 64 / int8_s, reps * 12.0 * 16 / fp32_s,
+    printf("%.6e %.6e %.6e %d %f\n", reps * 12.0 * 64 / int8_s, reps * 12.0 * 16 / fp32_s, bf16_rate,
            _mm512_reduce_add_epi32(sa), _mm512_reduce_add_ps(sf));
     return 0;
 }
@@ -65,6 +80,7 @@ class ComputePeaks:
 
     int8_macs_per_s: float
     fp32_macs_per_s: float
+    bf16_macs_per_s: float | None = None  # None: no AVX512-BF16
 
 
 def measure() -> ComputePeaks | None:
@@ -80,7 +96,8 @@ def measure() -> ComputePeaks | None:
                        capture_output=True, timeout=120)
         runs = [subprocess.run([str(binary)], check=True, capture_output=True, text=True, timeout=120).stdout.split()
                 for _ in range(_RUNS)]
-    return ComputePeaks(max(float(r[0]) for r in runs), max(float(r[1]) for r in runs))
+    bf16 = max(float(r[2]) for r in runs)
+    return ComputePeaks(max(float(r[0]) for r in runs), max(float(r[1]) for r in runs), bf16 or None)
 
 
 def main() -> int:
@@ -88,8 +105,9 @@ def main() -> int:
     if peaks is None:
         print("needs AVX-512 VNNI and a C compiler", file=sys.stderr)
         return 1
+    bf16 = f", bf16 {peaks.bf16_macs_per_s / 1e9:.1f} GMAC/s (vdpbf16ps)" if peaks.bf16_macs_per_s else ""
     print(f"one thread: int8 {peaks.int8_macs_per_s / 1e9:.1f} GMAC/s (vpdpbusd), "
-          f"fp32 {peaks.fp32_macs_per_s / 1e9:.1f} GFMA/s (vfmadd, 16 lanes)")
+          f"fp32 {peaks.fp32_macs_per_s / 1e9:.1f} GFMA/s (vfmadd, 16 lanes){bf16}")
     return 0
 
 
