@@ -9,6 +9,7 @@ with --baseline REV the gemm_quant.c of a git revision (its own default path), e
 library's flags. Prints a table and writes JSON.
 
     .venv/bin/python scripts/quant_builds_microbench.py [--baseline HEAD~1] [--n 1536 --k 1536] [--json PATH]
+        [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,q5_0]
 """
 
 from __future__ import annotations
@@ -71,21 +72,26 @@ def ring(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [tensor.clone() for _ in range(max(2, RING_BYTES // (tensor.numel() * tensor.element_size())))]
 
 
-def run(libs: dict[str, ctypes.CDLL], n: int, k: int) -> list[dict]:
+def run(libs: dict[str, ctypes.CDLL], n: int, k: int, rows: list[int], rounds: int,
+        formats: list[str]) -> list[dict]:
+    """Per format and row count: each build's ms a call, the best of `rounds` rounds that visit the builds
+    in turn (a noisy moment hits all of them), and torch's."""
     results = []
-    for fmt, qtype in QTYPES.items():
+    for fmt in formats:
+        qtype = QTYPES[fmt]
         blocks = quantize(torch.randn(n, k) * 0.1, fmt).contiguous()
         packed = torch.empty_like(blocks)
         next(iter(libs.values())).quant_pack(blocks.data_ptr(), qtype, n, k, packed.data_ptr(), 1)
         weights, dense = ring(packed), ring(torch.randn(n, k))
-        for m in (1, 16):
+        for m in rows:
             x, y = torch.randn(m, k), torch.empty(m, n)
-            cell = {"format": fmt, "m": m, "ms": {}}
-            for name, lib in libs.items():
-                calls = iter(range(1 << 62))
-                cell["ms"][name] = 1e3 * seconds_per_call(lambda: lib.gemm_quant(
-                    x.data_ptr(), weights[next(calls) % len(weights)].data_ptr(), qtype, None, y.data_ptr(),
-                    m, n, k, 0, 1))
+            cell = {"format": fmt, "m": m, "ms": {name: float("inf") for name in libs}}
+            for _ in range(rounds):
+                for name, lib in libs.items():
+                    calls = iter(range(1 << 62))
+                    cell["ms"][name] = min(cell["ms"][name], 1e3 * seconds_per_call(lambda: lib.gemm_quant(
+                        x.data_ptr(), weights[next(calls) % len(weights)].data_ptr(), qtype, None,
+                        y.data_ptr(), m, n, k, 0, 1)))
             calls = iter(range(1 << 62))
             cell["ms"]["torch fp32"] = 1e3 * seconds_per_call(
                 lambda: torch.nn.functional.linear(x, dense[next(calls) % len(dense)]))
@@ -100,12 +106,16 @@ def main() -> int:
     parser.add_argument("--baseline", help="a git revision whose gemm_quant.c is timed beside this one")
     parser.add_argument("--n", type=int, default=1536)
     parser.add_argument("--k", type=int, default=1536)
+    parser.add_argument("--rows", default="1,16", help="row counts M")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds over the builds, the best kept")
+    parser.add_argument("--formats", default=",".join(QTYPES))
     parser.add_argument("--json", default="/tmp/quant_kernel.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    rows = [int(m) for m in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        results = run(builds(Path(tmp), args.baseline), args.n, args.k)
-    write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "results": results})
+        results = run(builds(Path(tmp), args.baseline), args.n, args.k, rows, args.rounds, args.formats.split(","))
+    write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "rounds": args.rounds, "results": results})
     print(f"wrote {args.json}")
     return 0
 
