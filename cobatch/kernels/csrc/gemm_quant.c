@@ -220,11 +220,14 @@ typedef struct {
     float *at;
     int store;
 } ScaleCache;
-
-static float *scale_cache(int qtype, int64_t K, int64_t num_tiles) {
-    return qtype == QUANT_Q4_K && num_tiles > 1 ? malloc(sizeof(float) * (size_t)(K / QB * NZ * 2 * NR)) : NULL;
-}
 #endif
+
+/* A thread's room for ScaleCache, taken once per call: NULL where no task can have two tiles of rows (or
+ * the plain path, which decodes a block once for all rows anyway). */
+static float *scale_cache(int qtype, int64_t K, int64_t M) {
+    const int used = QUANT_PATH != QUANT_PLAIN && qtype == QUANT_Q4_K && M > 1;
+    return used ? malloc(sizeof(float) * (size_t)(K / QB * NZ * 2 * NR)) : NULL;
+}
 
 /* ------------------------------------------------------------------------------ the plain C path */
 
@@ -263,8 +266,8 @@ INLINE void block_codes(int qtype, const uint8_t *blk, int j, LaneInts ct[QB]) {
  * of a panel decoded once for all rows, each row's result added up block by block in K order. */
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
                       int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
-                      int prefetch) {
-    (void)next, (void)next_bytes, (void)prefetch;  /* no prefetching here */
+                      int prefetch, float *scales) {
+    (void)next, (void)next_bytes, (void)prefetch, (void)scales;  /* no prefetching, no scale cache here */
     const int64_t nb = K / QB;
     const int32_t off = (int32_t)code_offset(qtype);
     for (int z = 0; z < nz; z++) {
@@ -432,9 +435,9 @@ QTILE_FN(tile_q5_0, QUANT_Q5_0)
  * every micro-tile of rows); the hardware prefetcher streams the panels. */
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
                       int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
-                      int prefetch) {
+                      int prefetch, float *scales) {
     (void)next, (void)next_bytes;
-    float *scales = scale_cache(qtype, K, (rows + MR2 - 1) / MR2);
+    if (rows <= MR2) scales = NULL;  /* one tile of rows */
     for (int z = 0; z < nz; z++)
         for (int64_t m = 0; m < rows; m += MR2) {
             const int mr = (int)(rows - m < MR2 ? rows - m : MR2);
@@ -446,7 +449,6 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
             else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
             else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, kab);
         }
-    free(scales);
 }
 #else
 /* ---------------------------------------------------------------------------- the AVX-512 VNNI path */
@@ -619,9 +621,9 @@ static Ahead ahead_slice(int qtype, const uint8_t *next, int64_t next_bytes, int
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz; `next`: the next task's panels (next_bytes), or NULL. */
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
                       int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
-                      int prefetch) {
+                      int prefetch, float *scales) {
     const int64_t num_tiles = (rows + MR - 1) / MR;
-    float *scales = scale_cache(qtype, K, num_tiles);
+    if (num_tiles == 1) scales = NULL;
     for (int64_t i = 0; i < num_tiles; i++) {
         const int64_t m = i * MR;
         const int mr = (int)(rows - m < MR ? rows - m : MR);
@@ -634,7 +636,6 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
         else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
         else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, kab);
     }
-    free(scales);
 }
 #endif
 
@@ -691,6 +692,7 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize_row(x, is_bf16, m, &r);
         float tmp[MC * NZ * NR];
+        float *scales = scale_cache(qtype, K, M);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t g = task / chunks, m0 = task % chunks * MC, rows = M - m0 < MC ? M - m0 : MC;
@@ -702,9 +704,10 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
             const int is_last_chunk = m0 + MC >= M;
             const uint8_t *next = is_last_chunk && nz_next ? panel_block(qtype, wq, K, (g + 1) * gz, 0) : NULL;
             tile_rows(qtype, &r, m0, rows, (const uint8_t *)wq, K, g * gz, nz, out, is_bf16 ? nz * NR : N, next,
-                      nz_next * (K / BLOCK_K[qtype]) * PANEL_BYTES[qtype], !single);
+                      nz_next * (K / BLOCK_K[qtype]) * PANEL_BYTES[qtype], !single, scales);
             if (is_bf16 || bias != NULL) finish_rows(tmp, rows, nz * NR, bias, y0, N, g * gz * NR, is_bf16);
         }
+        free(scales);
     }
     free(r.q), free(r.d), free(r.s);
     return 0;
