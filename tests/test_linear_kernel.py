@@ -8,6 +8,7 @@ import ctypes
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from cobatch.kernels import linear as linear_module
 from cobatch.kernels.fused_ops import fused_ops
 from cobatch.kernels.linear import (PackedGemm, can_pack, can_pack_gate_up, embedding, is_gate_up_packed, is_packed,
                                    linear, native_gemm, pack_gate_up, pack_weight, packed_shape, silu_mul_linear,
-                                   unpack_weight)
+                                   unpack_weight, use_amx)
+from cobatch.kernels.cpu import cpu_flags
 
 KERNEL = native_gemm()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no AVX512-BF16 or no compiler here")
@@ -25,6 +27,7 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no AVX512-BF16 or no c
 DENSE = [pytest.param(torch.bfloat16, marks=needs_kernel),
          pytest.param(torch.float32, marks=pytest.mark.skipif(native_gemm(torch.float32) is None,
                                                               reason="no AVX-512F or no compiler here"))]
+AMX = use_amx(True)  # the bf16 kernel's tiles on AMX's tile unit (where the CPU has it)
 BF16_EPS = 2.0 ** -7  # bf16 spacing relative to a value's magnitude (at most)
 FP32_EPS = 2.0 ** -24
 
@@ -35,6 +38,14 @@ def no_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object, **kwargs: object) -> None:
         raise AssertionError("fell back to F.linear")
     monkeypatch.setattr(linear_module, "F", type("NoF", (), {"linear": staticmethod(boom)}))
+
+
+@pytest.fixture(params=["avx512", pytest.param("amx", marks=pytest.mark.skipif(not AMX, reason="no AMX-BF16"))])
+def bf16_tile(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The bf16 kernel's tile for the test: AVX512-BF16's, then AMX's where the CPU has it."""
+    use_amx(request.param == "amx")
+    yield request.param
+    use_amx(True)
 
 
 @pytest.fixture
@@ -100,7 +111,7 @@ SHAPES = [(960, 576), (576, 1536), (16, 2), (32, 70), (48, 34), (64, 96), (80, 5
 @needs_kernel
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_reference(n: int, k: int, bias: bool, request: pytest.FixtureRequest) -> None:
+def test_matches_reference(n: int, k: int, bias: bool, bf16_tile: str, request: pytest.FixtureRequest) -> None:
     request.getfixturevalue("no_fallback")
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 33, 70, 257):  # every tile height, row chunks of 256
         x, w, b = _operands(m, n, k, bias, seed=m * 1000 + n + k)
@@ -121,7 +132,7 @@ def test_leading_dims_and_nonfinite(dtype: torch.dtype, request: pytest.FixtureR
 
 
 @needs_kernel
-def test_rounds_like_torch(request: pytest.FixtureRequest) -> None:
+def test_rounds_like_torch(bf16_tile: str, request: pytest.FixtureRequest) -> None:
     """Sums exact in fp32, so the only rounding is fp32 -> bf16: ties to even, overflow to inf, NaN."""
     a, b = 2.0 ** -7, 2.0 ** -8  # bf16 steps just above 1, and half of it
     pairs = [(1.0, b), (1.0 + a, b), (1.0, b + 2.0 ** -16), (-1.0 - a, -b), (3e38, 3e38), (-3e38, -3e38),
@@ -134,12 +145,18 @@ def test_rounds_like_torch(request: pytest.FixtureRequest) -> None:
     request.getfixturevalue("no_fallback")
     out = _packed_linear(x, w)[0, :len(pairs)]
     assert torch.equal(out[:-2].float().nan_to_num(7.0), exact[:len(pairs) - 2].bfloat16().float().nan_to_num(7.0))
-    assert (out[-2:] == 0).all()  # vdpbf16ps flushes denormals to zero (documented in the C file)
+    assert (out[-2:] == 0).all()  # vdpbf16ps and tdpbf16ps flush denormals to zero (documented in the C file)
+
+
+@needs_kernel
+def test_amx_is_used_where_the_cpu_has_it() -> None:
+    """A CPU that lists AMX-BF16 runs the bf16 kernel on it (Linux grants the tile state on request)."""
+    assert AMX == ("amx_bf16" in cpu_flags())
 
 
 @pytest.mark.parametrize("dtype", DENSE)
 @pytest.mark.parametrize("n", [304, 288])  # single panels; blocks of 3 (prefetch from 16 rows, L2 then L1)
-def test_rows_do_not_depend_on_the_batch(n: int, dtype: torch.dtype) -> None:
+def test_rows_do_not_depend_on_the_batch(n: int, dtype: torch.dtype, bf16_tile: str) -> None:
     """Each output is one dot product in a fixed order, whatever M, the tiling or the thread count: a
     row's bits do not change with the batch it runs in (the engine's determinism relies on that)."""
     x, w, b = _operands(600, n, 200, True, seed=2, dtype=dtype)
@@ -207,7 +224,7 @@ def test_can_pack_gate_up(shape: tuple[int, int], dtype: torch.dtype, ok: bool) 
 
 @needs_kernel
 @pytest.mark.parametrize("inter,k", [(48, 64), (96, 34), (144, 576), (1536, 576)])
-def test_gate_up_silu_same_bits_as_linear_then_silu_mul(inter: int, k: int) -> None:
+def test_gate_up_silu_same_bits_as_linear_then_silu_mul(inter: int, k: int, bf16_tile: str) -> None:
     """The fused kernel rounds each gate/up product as the GEMM does and applies silu_mul's own code, so
     its bits are those of the two-step path for every tile height, the prefetch thresholds (16, 24 rows),
     row chunks of 256, and thread counts; a NaN input row stays NaN."""

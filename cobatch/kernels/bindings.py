@@ -61,6 +61,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "argmax_rows": (None, [_PTR, _I64, _I64, _INT, _PTR, _PTR]),
     # gemm_bf16.c
     "gemm_bf16_available": (_INT, []),
+    "gemm_bf16_set_amx": (_INT, [_INT]),
     "gemm_bf16": (_INT, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
     "gemm_bf16_silu": (_INT, [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
     "packed_rows_bf16": (_INT, [_PTR, _PTR, _I64, _I64, _I64, _PTR]),

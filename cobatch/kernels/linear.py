@@ -2,7 +2,8 @@
 activations: csrc/gemm_f32_wbf16.c), F.linear for the rest.
 
 One native kernel per dtype serves every batch size: decode steps (M = 1..64 rows, each weight streamed
-from DRAM once) and prefill (thousands of rows, compute-bound). It needs the weight repacked once, at load
+from DRAM once) and prefill (thousands of rows, compute-bound); in bf16 on a CPU with AMX its tiles run
+on the tile unit (use_amx; 2.7x a batch of 16 and 2x a prefill of a 1B model). It needs the weight repacked once, at load
 time, into panels of 16 output columns, one 64-byte line per K step: a K pair in bf16 (the layout
 vdpbf16ps consumes), one K value in fp32 (vfmadd231ps against a broadcast x); the C files and their
 shared gemm_packed.h explain it. scripts/linear_microbench.py measures it against oneDNN's F.linear
@@ -144,6 +145,15 @@ def native_gemm_silu(dtype: torch.dtype = torch.bfloat16,
     lib = load_kernels()
     missing = native_gemm(dtype, weight_dtype) is None or lib is None
     return None if missing else PackedGemmSilu(lib, dtype, weight_dtype)
+
+
+def use_amx(on: bool = True) -> bool:
+    """Run the bf16 kernel on AMX's tile unit (on, the default where the CPU has AMX-BF16 and Linux grants
+    it) or on its AVX512-BF16 tile (off: A/B runs, tests); whether AMX is now in use. The two tiles sum K
+    in different steps (32 K per instruction against a pair), so their bits may differ by an ulp: one
+    process keeps one of them for every batch size, which keeps a row's bits independent of its batch."""
+    lib = load_kernels()
+    return native_gemm() is not None and lib is not None and bool(lib.gemm_bf16_set_amx(int(on)))
 
 
 def can_pack(weight: torch.Tensor, activations: torch.dtype | None = None) -> bool:

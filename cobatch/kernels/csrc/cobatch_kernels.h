@@ -62,6 +62,9 @@ void argmax_rows(const void *x, int64_t rows, int64_t cols, int is_bf16, int64_t
 
 /* 1 when built with AVX512-BF16 (else the GEMM entry points are stubs that return -1). */
 int gemm_bf16_available(void);
+/* Whether gemm_bf16 runs on AMX's tile unit: on (1, the default) where the CPU has AMX-BF16 and Linux grants
+ * it, else the AVX512-BF16 tile (0: off, for A/B runs). Returns whether AMX is now in use. */
+int gemm_bf16_set_amx(int on);
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL), W packed (layout: gemm_bf16.c). */
 int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
               int num_threads);

@@ -26,9 +26,12 @@
  *
  * Numerics: each output is summed over K pairs in order, in fp32 (vdpbf16ps: denormal inputs and products
  * flush to zero), then rounded once to bf16 (nearest even, NaN kept, as torch does). The order does not
- * depend on M, the tiling or the thread count: a row's bits do not depend on its batch.
+ * depend on M, the tiling or the thread count: a row's bits do not depend on its batch. The AMX tile (below)
+ * sums 32 K per instruction, so its bits can differ from this tile's by an ulp; a process uses one of the
+ * two for every M.
  * Built by kernels/build.py (-march=native; without AVX512-BF16 a stub reports itself unavailable).
  */
+#define _DEFAULT_SOURCE /* syscall() under -std=c11: AMX's permission request below */
 #include "cobatch_kernels.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -88,7 +91,112 @@ INLINE void tile(const uint16_t *x, int64_t ldx, int64_t kc, const uint16_t *wp,
 
 DEFINE_TILE_ANY(tile_any, tile)
 
-static const PackedKernel BF16 = {2, 2, 2, 0, 1, tile_any, silu_mul_rows_bf16};
+static const PackedKernel BF16 = {2, 2, 2, 0, 1, MR, tile_any, silu_mul_rows_bf16};
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX (Sapphire Rapids and later): the same tile on the tile unit. tdpbf16ps multiplies a tile of up to 16
+ * rows x 32 K (A: x) by 32 K x 16 columns in the K-pair layout (B: 16 lines of 64 bytes, exactly one
+ * panel's lines), into 16 x 16 fp32 sums: 16 x 16 x 32 products per instruction against vdpbf16ps's 16 x 2.
+ * A panel's 16 lines sit `kstride` elements apart in either block size, so B loads straight from the
+ * packed weight (tileloadd takes a row stride). One micro-tile keeps a C tile per panel (3), one A and a
+ * B per panel: 7 of the 8 tile registers. */
+#define AMX_K 32    /* K values per tdpbf16ps: 64 bytes of A per row, 16 pair lines of B */
+#define AMX_ROWS 16 /* rows of x per micro-tile: a full A tile */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Linux grants the tile state only on request (once per process); -1: not asked yet. */
+static int amx_state = -1;
+
+static int amx_permitted(void) {
+    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return amx_state;
+}
+
+/* C tiles 0..2 and A tile 3 of mr rows, B tiles 4..6 of 16 pair lines. Loaded by every micro-tile: another
+ * AMX user on this thread (oneDNN under torch) may have loaded its own in between. */
+INLINE void amx_configure(int mr) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) c.rows[t] = (uint8_t)(t < 4 ? mr : 16), c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* One K step of 32 (or a zero-padded rest): C_z += A . B_z for the nz panels. */
+#define AMX_STEP(A, LDA, B0, LDB, BZ)                                      \
+    do {                                                                   \
+        _tile_loadd(3, (A), (LDA));                                        \
+        _tile_loadd(4, (B0), (LDB));                                       \
+        _tile_dpbf16ps(0, 3, 4);                                           \
+        if (nz > 1) { _tile_loadd(5, (const char *)(B0) + (BZ), (LDB)); _tile_dpbf16ps(1, 3, 5); } \
+        if (nz > 2) { _tile_loadd(6, (const char *)(B0) + 2 * (BZ), (LDB)); _tile_dpbf16ps(2, 3, 6); } \
+    } while (0)
+
+/* tile()'s contract on AMX: the sums over K in steps of 32 (a rest padded with zeros, which add nothing),
+ * then bias and the one rounding to bf16 as tile() does them. */
+static void tile_amx(const void *xv, int64_t ldx, int64_t kc, const void *wv, Strides st, const void *biasv,
+                     void *yv, int64_t ldy, int mr, int nz, Prefetch pf, int accumulate) {
+    (void)accumulate;
+    const uint16_t *x = xv, *wp = wv, *bias = biasv;
+    uint16_t *y = yv;
+    amx_configure(mr);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    const int64_t pairs = kc / 2, full = pairs / (AMX_K / 2), lda = 2 * ldx, ldb = 2 * st.kstride, bz = 2 * st.zstride;
+    int64_t countdown = pf.next != NULL ? pf.phase : pairs;
+    for (int64_t s = 0; s < full; s++) {
+        const int64_t kk = s * (AMX_K / 2);
+        for (int64_t i = 0; i < AMX_K / 2; i++) prefetch_step(&pf, &countdown, st, kk + i, nz, 2);
+        AMX_STEP(x + AMX_K * s, lda, wp + kk * st.kstride, ldb, bz);
+    }
+    const int64_t rest = pairs - full * (AMX_K / 2);
+    if (rest > 0) {
+        _Alignas(64) uint16_t a[16][AMX_K], b[NZ][AMX_K / 2][NR * 2];
+        memset(a, 0, sizeof a), memset(b, 0, sizeof b);
+        for (int m = 0; m < mr; m++) memcpy(a[m], x + m * ldx + 2 * full * (AMX_K / 2), (size_t)(4 * rest));
+        for (int z = 0; z < nz; z++)
+            for (int64_t i = 0; i < rest; i++)
+                memcpy(b[z][i], wp + z * st.zstride + (full * (AMX_K / 2) + i) * st.kstride, 64);
+        for (int64_t i = 0; i < rest; i++) prefetch_step(&pf, &countdown, st, full * (AMX_K / 2) + i, nz, 2);
+        AMX_STEP(a, 2 * AMX_K, b[0], 64, (int64_t)sizeof b[0]);
+    }
+    _Alignas(64) float sums[NZ][16][NR];
+    _tile_stored(0, sums[0], 64);
+    if (nz > 1) _tile_stored(1, sums[1], 64);
+    if (nz > 2) _tile_stored(2, sums[2], 64);
+    _tile_release();
+    for (int z = 0; z < nz; z++) {
+        __m512 bv = bias != NULL ? bf16_to_ps(_mm256_loadu_si256((const __m256i *)(bias + z * NR))) : _mm512_setzero_ps();
+        for (int m = 0; m < mr; m++)
+            _mm256_storeu_si256((__m256i *)(y + m * ldy + z * NR), round_to_bf16(_mm512_add_ps(_mm512_load_ps(sums[z][m]), bv)));
+    }
+}
+
+static const PackedKernel BF16_AMX = {2, 2, 2, 0, 1, AMX_ROWS, tile_amx, silu_mul_rows_bf16};
+
+/* The tile unit where the CPU has it and Linux grants it (on: 1), unless switched off (0: A/B runs). */
+static int amx_wanted = 1;
+
+int gemm_bf16_set_amx(int on) {
+    amx_wanted = on;
+    return on && amx_permitted();
+}
+
+static const PackedKernel *bf16_kernel(void) { return amx_wanted && amx_permitted() ? &BF16_AMX : &BF16; }
+#else
+int gemm_bf16_set_amx(int on) { (void)on; return 0; }
+
+static const PackedKernel *bf16_kernel(void) { return &BF16; }
+#endif
 
 int gemm_bf16_available(void) { return 1; }
 
@@ -97,7 +205,7 @@ int gemm_bf16_available(void) { return 1; }
 int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
               int num_threads) {
     if (N % NR != 0 || K % 2 != 0 || M <= 0) return -2;
-    GemmArgs a = {&BF16, x, wp, bias, y, M, N, K, 0, 0};
+    GemmArgs a = {bf16_kernel(), x, wp, bias, y, M, N, K, 0, 0};
     run_gemm(&a, num_threads);
     return 0;
 }
@@ -107,7 +215,7 @@ int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t 
  * gemm_bf16 then silu_mul. Returns 0, or -2 on a bad shape. */
 int gemm_bf16_silu(const void *x, const void *wp, void *act, int64_t M, int64_t inter, int64_t K, int num_threads) {
     if (inter % (NZ * NR) != 0 || K % 2 != 0 || M <= 0) return -2;
-    GemmArgs a = {&BF16, x, wp, NULL, act, M, 2 * inter, K, 0, 0};
+    GemmArgs a = {bf16_kernel(), x, wp, NULL, act, M, 2 * inter, K, 0, 0};
     run_gemm_silu(&a, num_threads);
     return 0;
 }
@@ -121,6 +229,8 @@ int packed_rows_bf16(const void *wp, const int64_t *ids, int64_t n, int64_t N, i
 #else /* no AVX512-BF16 here: linear.py keeps the stored layout */
 
 int gemm_bf16_available(void) { return 0; }
+
+int gemm_bf16_set_amx(int on) { (void)on; return 0; }
 
 int gemm_bf16(const void *x, const void *wp, const void *bias, void *y, int64_t M, int64_t N, int64_t K,
               int num_threads) {

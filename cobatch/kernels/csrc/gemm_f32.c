@@ -58,7 +58,7 @@ INLINE void tile(const float *x, int64_t ldx, int64_t kc, const float *wp, Strid
 
 DEFINE_TILE_ANY(tile_any, tile)
 
-static const PackedKernel F32 = {4, 1, 4, KC_MAX, 0, tile_any, silu_mul_rows_f32};
+static const PackedKernel F32 = {4, 1, 4, KC_MAX, 0, MR, tile_any, silu_mul_rows_f32};
 
 int gemm_f32_available(void) { return 1; }
 

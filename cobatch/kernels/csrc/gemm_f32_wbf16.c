@@ -70,7 +70,7 @@ INLINE void tile(const float *x, int64_t ldx, int64_t kc, const uint16_t *wp, St
 
 DEFINE_TILE_ANY(tile_any, tile)
 
-static const PackedKernel WBF16 = {2, 2, 4, KC_MAX, 0, tile_any, silu_mul_rows_f32};
+static const PackedKernel WBF16 = {2, 2, 4, KC_MAX, 0, MR, tile_any, silu_mul_rows_f32};
 
 int gemm_f32_wbf16_available(void) { return 1; }
 

@@ -120,6 +120,7 @@ typedef struct {
     int64_t xsize;        /* bytes per element of x, bias and y (gemm_f32_wbf16.c: fp32 on bf16 weights) */
     int64_t max_kc;       /* K values per block at most (0: K in one block; blocks need fp32 outputs) */
     int sequential;       /* blocks of NZ panels where N allows (one stream per group), else always 1 */
+    int rows;             /* input rows per micro-tile: MR (a vector tile, which takes one more), or 16 (AMX) */
     TileFn tile;
     SiluRowsFn silu_rows;
 } PackedKernel;
@@ -168,12 +169,12 @@ static void group_rows(const GemmArgs *a, int64_t m0, int64_t rows, int64_t g, v
                        const void *next) {
     const PackedKernel *kn = a->kernel;
     const int64_t panels = a->N / NR, p0 = g * NZ, K = a->K, es = kn->esize, xs = kn->xsize;
-    const int nz = (int)(panels - p0 < NZ ? panels - p0 : NZ);
+    const int nz = (int)(panels - p0 < NZ ? panels - p0 : NZ), R = kn->rows;
     const Strides st = group_strides(kn, a->N, K / kn->step, NR * kn->step);
-    const int balance = a->prefetch && rows % MR != 0 && rows % MR < MR / 2;
-    const int absorb = !balance && rows > MR && rows % MR == 1;
-    const int64_t tiles = absorb ? rows / MR : (rows + MR - 1) / MR;
-    const int64_t sharing = balance || absorb || rows < MR ? tiles : rows / MR;  /* the tiles that prefetch */
+    const int balance = a->prefetch && rows % R != 0 && rows % R < R / 2;
+    const int absorb = !balance && R == MR && rows > R && rows % R == 1;
+    const int64_t tiles = absorb ? rows / R : (rows + R - 1) / R;
+    const int64_t sharing = balance || absorb || rows < R ? tiles : rows / R;  /* the tiles that prefetch */
     const char *wp = (const char *)a->wp + es * p0 * K * NR;
     const char *bias = a->bias != NULL ? (const char *)a->bias + xs * p0 * NR : NULL;
     const int64_t kc = k_block(K, kn->max_kc, kn->step);
@@ -184,8 +185,8 @@ static void group_rows(const GemmArgs *a, int64_t m0, int64_t rows, int64_t g, v
         for (int64_t t = 0; t < tiles; t++) {
             int mr;
             if (balance) mr = (int)(rows / tiles + (t < rows % tiles));
-            else if (absorb && t == 0) mr = MR + 1;
-            else mr = (int)(rows - m < MR ? rows - m : MR);
+            else if (absorb && t == 0) mr = R + 1;
+            else mr = (int)(rows - m < R ? rows - m : R);
             Prefetch pf = {last && t < sharing ? next : NULL, t, sharing, a->to_l2};
             kn->tile((const char *)a->x + xs * ((m0 + m) * K + k0), K, len, wp + es * (k0 / kn->step) * st.kstride,
                      st, last ? bias : NULL, (char *)y + xs * m * ldy, ldy, mr, nz, pf, k0 > 0);
