@@ -1,12 +1,14 @@
 """This CPU's compute peaks on one thread: int8 multiply-adds (AVX-512 VNNI's vpdpbusd), fp32 FMAs (AVX-512F)
-and, where the CPU has AVX512-BF16, bf16 pair dot products (vdpbf16ps).
+and, where the CPU has AVX512-BF16, bf16 pair dot products (vdpbf16ps), and where it has AMX-BF16, bf16
+tile products (tdpbf16ps, which cobatch's bf16 kernel uses there).
 
 What a batch's ceiling is made of: at batch 16 a decode step is compute-bound, so no engine serves a
-batch faster than its multiply-adds over the peak rate of the instruction it needs (int8 dot products
-for Q8_0 / Q4_0 weights against int8-quantized activations; bf16 dot products for bf16 weights where the
-CPU has them, else fp32 FMAs, as both cobatch and llama.cpp then widen bf16 to fp32). Measured by a C loop of 12
-independent accumulators (no loads, nothing but the instruction), compiled here with the system's C
-compiler, timed for ~0.5 s each, the best of 5 runs.
+batch faster than its multiply-adds over the peak rate of the instruction it needs: int8 dot products
+for Q8_0 / Q4_0 weights against int8-quantized activations; for bf16 weights, where the CPU has bf16
+instructions, the fastest of them and of fp32 FMAs on widened bf16, else fp32 FMAs (both cobatch and
+llama.cpp then widen bf16 to fp32). Measured by a C loop of 12 independent accumulators (AMX: 4 tiles;
+no loads, nothing but the instruction), compiled here with the system's C compiler, timed for ~0.5 s
+each, the best of 5 runs.
 
     .venv/bin/python -m benchmarks.cpu_peak
 """
@@ -23,9 +25,13 @@ from pathlib import Path
 from cobatch.kernels.cpu import cpu_flags
 
 _SOURCE = r"""
+#define _DEFAULT_SOURCE
 #include <immintrin.h>
 #include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
 int main(void) {
     const long reps = 100000000;
@@ -61,11 +67,37 @@ int main(void) {
     bf16_rate = reps * 12.0 * 32 / (now() - t);
     for (int i = 0; i < 12; i++) f[i] = _mm512_add_ps(f[i], h[i]);
 #endif
+    double amx_rate = 0.0; /* 0: no AMX-BF16, or Linux does not grant the tile state */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (syscall(SYS_arch_prctl, 0x1023, 18) == 0) { /* ARCH_REQ_XCOMP_PERM, XTILEDATA */
+        struct { unsigned char palette, start, reserved[14]; unsigned short colsb[16]; unsigned char rows[16]; } cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int i = 0; i < 6; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+        _tile_loadconfig(&cfg);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        const long tiles = reps / 8;
+        t = now();
+        for (long r = 0; r < tiles; r++) { /* 4 independent sums: 16 x 16 x 32 multiply-adds each */
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 5);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        amx_rate = tiles * 4.0 * 16 * 16 * 32 / (now() - t);
+        _tile_release();
+    }
+#endif
     __m512i sa = a[0];
     __m512 sf = f[0];
     for (int i = 1; i < 12; i++) sa = _mm512_add_epi32(sa, a[i]), sf = _mm512_add_ps(sf, f[i]);
-    printf("%.6e %.6e %.6e %d %f\n", reps * 12.0 * 64 / int8_s, reps * 12.0 * 16 / fp32_s, bf16_rate,
-           _mm512_reduce_add_epi32(sa), _mm512_reduce_add_ps(sf));
+    printf("%.6e %.6e %.6e %.6e %d %f\n", reps * 12.0 * 64 / int8_s, reps * 12.0 * 16 / fp32_s, bf16_rate,
+           amx_rate, _mm512_reduce_add_epi32(sa), _mm512_reduce_add_ps(sf));
     return 0;
 }
 """
@@ -81,6 +113,16 @@ class ComputePeaks:
     int8_macs_per_s: float
     fp32_macs_per_s: float
     bf16_macs_per_s: float | None = None  # None: no AVX512-BF16
+    amx_bf16_macs_per_s: float | None = None  # None: no AMX-BF16
+
+    @property
+    def bf16_math_macs_per_s(self) -> float | None:
+        """The rate of bf16 multiply-adds where the CPU has a bf16 instruction: the fastest way to do them,
+        its bf16 instructions' or fp32 FMAs on widened bf16 (exact products; on some Intel cores vdpbf16ps
+        runs at half the FMA rate); None where it has no bf16 instruction."""
+        if not (self.bf16_macs_per_s or self.amx_bf16_macs_per_s):
+            return None
+        return max(r for r in (self.bf16_macs_per_s, self.amx_bf16_macs_per_s, self.fp32_macs_per_s) if r)
 
 
 def measure() -> ComputePeaks | None:
@@ -96,8 +138,8 @@ def measure() -> ComputePeaks | None:
                        capture_output=True, timeout=120)
         runs = [subprocess.run([str(binary)], check=True, capture_output=True, text=True, timeout=120).stdout.split()
                 for _ in range(_RUNS)]
-    bf16 = max(float(r[2]) for r in runs)
-    return ComputePeaks(max(float(r[0]) for r in runs), max(float(r[1]) for r in runs), bf16 or None)
+    bf16, amx = (max(float(r[i]) for r in runs) for i in (2, 3))
+    return ComputePeaks(max(float(r[0]) for r in runs), max(float(r[1]) for r in runs), bf16 or None, amx or None)
 
 
 def main() -> int:
@@ -106,6 +148,8 @@ def main() -> int:
         print("needs AVX-512 VNNI and a C compiler", file=sys.stderr)
         return 1
     bf16 = f", bf16 {peaks.bf16_macs_per_s / 1e9:.1f} GMAC/s (vdpbf16ps)" if peaks.bf16_macs_per_s else ""
+    if peaks.amx_bf16_macs_per_s:
+        bf16 += f", bf16 {peaks.amx_bf16_macs_per_s / 1e9:.1f} GMAC/s (AMX tdpbf16ps)"
     print(f"one thread: int8 {peaks.int8_macs_per_s / 1e9:.1f} GMAC/s (vpdpbusd), "
           f"fp32 {peaks.fp32_macs_per_s / 1e9:.1f} GFMA/s (vfmadd, 16 lanes){bf16}")
     return 0

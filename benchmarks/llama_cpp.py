@@ -133,11 +133,11 @@ def macs_per_output_token(path: Path, input_len: int, output_len: int) -> float:
 
 def batch_ceiling_tok_s(fmt: str, macs_per_token: float, peaks: ComputePeaks) -> float:
     """Output tok/s of a batch whose every multiply-add ran at the peak of the instruction it needs: int8
-    dot products for quantized weights; for bf16 ones bf16 dot products where the CPU has them, else fp32
-    FMAs (both engines widen bf16 to fp32 there); fp32 FMAs for fp32 ones."""
-    bf16_math = fmt == "bf16" and peaks.bf16_macs_per_s is not None
-    rate = (peaks.int8_macs_per_s if fmt in QUANTIZED else peaks.bf16_macs_per_s if bf16_math
-            else peaks.fp32_macs_per_s)
+    dot products for quantized weights; for bf16 ones the fastest way this CPU has to multiply bf16
+    (ComputePeaks.bf16_math_macs_per_s: AMX's tile product where it is), else fp32 FMAs (both engines
+    widen bf16 to fp32 there); fp32 FMAs for fp32 ones."""
+    bf16_rate = peaks.bf16_math_macs_per_s if fmt == "bf16" else None
+    rate = peaks.int8_macs_per_s if fmt in QUANTIZED else bf16_rate or peaks.fp32_macs_per_s
     return rate / macs_per_token
 
 

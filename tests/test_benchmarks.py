@@ -131,6 +131,9 @@ def test_a_batch_ceiling_counts_prompt_and_output_multiply_adds_at_the_formats_p
     assert batch_ceiling_tok_s("q4_0", macs, peaks) == 2.0 and batch_ceiling_tok_s("bf16", macs, peaks) == 0.5
     with_bf16 = ComputePeaks(int8_macs_per_s=208.0, fp32_macs_per_s=52.0, bf16_macs_per_s=104.0)
     assert batch_ceiling_tok_s("bf16", macs, with_bf16) == 1.0 and batch_ceiling_tok_s("f32", macs, with_bf16) == 0.5
+    with_amx = ComputePeaks(int8_macs_per_s=208.0, fp32_macs_per_s=52.0, bf16_macs_per_s=104.0,
+                            amx_bf16_macs_per_s=832.0)  # the tile unit's rate is the bf16 one where it is
+    assert batch_ceiling_tok_s("bf16", macs, with_amx) == 8.0 and batch_ceiling_tok_s("q8_0", macs, with_amx) == 2.0
 
 
 def test_an_earlier_cell_keeps_the_ceiling_of_its_own_peaks_unless_reported_again(tmp_path: Path) -> None:
