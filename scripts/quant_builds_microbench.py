@@ -4,12 +4,13 @@ scripts/quant_microbench.py times the library's own build against the read bandw
 
 Each format (Q8_0, Q4_0, Q4_K, Q5_0) on an N x K matrix at M = 1 and 16 rows, weights out of cache (a ring
 of copies larger than the last-level cache), against torch's fp32 `F.linear` on the dense matrix (a ring
-too). Builds: this CPU's own path (AVX-512 VNNI, AVX2 or plain C), the plain C path (-DQUANT_SCALAR), and
-with --baseline REV the gemm_quant.c of a git revision (its own default path), each compiled alone with the
+too). Builds: this CPU's own path (AVX-512 VNNI, AVX2 or plain C), the plain C path (-DQUANT_SCALAR),
+with --baseline REV the gemm_quant.c of a git revision (its own default path), and with --variant
+NAME='-DX=1 ...' this tree's built with those flags (retuning a #define); each compiled alone with the
 library's flags. Prints a table and writes JSON.
 
     .venv/bin/python scripts/quant_builds_microbench.py [--baseline HEAD~1] [--n 1536 --k 1536] [--json PATH]
-        [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,q5_0]
+        [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,q5_0] [--variant NAME=FLAGS ...]
 """
 
 from __future__ import annotations
@@ -45,9 +46,12 @@ def build(source: Path, header_dir: Path, flags: tuple[str, ...], out: Path) -> 
     return lib
 
 
-def builds(tmp: Path, baseline: str | None) -> dict[str, ctypes.CDLL]:
+def builds(tmp: Path, baseline: str | None, variants: list[str]) -> dict[str, ctypes.CDLL]:
     libs = {"this CPU's path": build(CSRC / "gemm_quant.c", CSRC, (), tmp / "native.so"),
             "plain C": build(CSRC / "gemm_quant.c", CSRC, ("-DQUANT_SCALAR",), tmp / "plain.so")}
+    for i, variant in enumerate(variants):
+        name, _, flags = variant.partition("=")
+        libs[name] = build(CSRC / "gemm_quant.c", CSRC, tuple(flags.split()), tmp / f"variant{i}.so")
     if baseline:
         old = tmp / "old"
         old.mkdir()
@@ -109,12 +113,17 @@ def main() -> int:
     parser.add_argument("--rows", default="1,16", help="row counts M")
     parser.add_argument("--rounds", type=int, default=1, help="rounds over the builds, the best kept")
     parser.add_argument("--formats", default=",".join(QTYPES))
+    parser.add_argument("--variant", action="append", default=[], help="NAME=FLAGS: this tree built with FLAGS")
+    parser.add_argument("--no-plain", action="store_true", help="leave the plain C build out")
     parser.add_argument("--json", default="/tmp/quant_kernel.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [int(m) for m in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        results = run(builds(Path(tmp), args.baseline), args.n, args.k, rows, args.rounds, args.formats.split(","))
+        libs = builds(Path(tmp), args.baseline, args.variant)
+        if args.no_plain:
+            del libs["plain C"]
+        results = run(libs, args.n, args.k, rows, args.rounds, args.formats.split(","))
     write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "rounds": args.rounds, "results": results})
     print(f"wrote {args.json}")
     return 0

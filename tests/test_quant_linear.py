@@ -12,7 +12,7 @@ from cobatch.kernels.build import load_library
 from cobatch.kernels.cpu import cpu_flags
 from cobatch.kernels.quant_linear import (FORMATS, SINGLE_STREAM_ROWS, QuantGemm, is_quantized, native_quant_gemm,
                                           pack_blocks, quant_type, quantized_linear, quantized_rows, quantized_shape,
-                                          tune_single_stream)
+                                          tune_single_stream, tune_wide_tiles)
 from cobatch.models.quantization import dequantize, quantize
 
 pytestmark = pytest.mark.skipif(native_quant_gemm() is None, reason="the kernels library cannot be built here")
@@ -104,6 +104,32 @@ def test_single_stream_mode_changes_no_bits(fmt: str) -> None:
         torch.set_num_threads(before)
         kernel.set_single_stream(0)
     _check(want[-1], x, dense)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_wide_tiles_change_no_bits(fmt: str) -> None:
+    """Wide tiles (8 rows, results kept in L1: a speed choice tune_wide_tiles makes per CPU) give the same
+    bits as 4-row tiles at every tile height and rest, on 1 and 2 threads; a row's bits stay those it has
+    alone; tuning changes none."""
+    kernel = native_quant_gemm()
+    packed, dense = _weight(fmt, 80, 512)
+    x = torch.randn(37, 512)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            kernel.set_wide_tiles(0)
+            want = kernel(x, packed)
+            kernel.set_wide_tiles(1)
+            for m in (1, 4, 5, 8, 9, 15, 16, 17, 24, 37):
+                assert torch.equal(kernel(x[:m], packed), want[:m])
+            assert torch.equal(kernel(x[20:21], packed), want[20:21])
+            assert isinstance(tune_wide_tiles([packed, packed], rounds=1), bool)
+            assert torch.equal(kernel(x, packed), want)
+    finally:
+        torch.set_num_threads(before)
+        kernel.set_wide_tiles(0)
+    _check(want, x, dense)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

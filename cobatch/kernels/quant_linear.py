@@ -19,7 +19,7 @@ import ctypes
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -31,6 +31,8 @@ PANEL_ROWS = 16  # output rows per packed panel (one AVX-512 vector of fp32 resu
 # The calls single-stream mode takes when it is chosen (gemm_quant.c): on a Zen 4 it was faster at 1 and 2
 # rows (1.2-1.45x at one) and slower from 4, where NZ panels per task give the tile more work per load.
 SINGLE_STREAM_ROWS = 2
+# The batch wide-tile mode is timed at (gemm_quant.c, gemm_quant_set_wide_tiles): a batch of 16 decodes.
+WIDE_TILE_ROWS = 16
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class QuantGemm:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn, self._rows, self._pack = lib.gemm_quant, lib.quant_rows, lib.quant_pack
         self.set_single_stream = lib.gemm_quant_set_single_stream  # (max_rows): gemm_quant.c says what
+        self.set_wide_tiles = lib.gemm_quant_set_wide_tiles  # (on): the same
 
     def pack(self, blocks: torch.Tensor) -> torch.Tensor:
         """GGUF blocks [N, nb, block_bytes] -> packed [N / 16, nb, 16 block_bytes] (pack_blocks)."""
@@ -164,24 +167,43 @@ def quantized_rows(ids: torch.Tensor, packed: torch.Tensor, dtype: torch.dtype) 
 
 def tune_single_stream(weights: Sequence[torch.Tensor], rounds: int = 3) -> bool:
     """Turn gemm_quant's single-stream mode on where it is faster on these packed weights: one row (a
-    one-stream decode) through every matrix in turn, as a decode step streams them from memory, timed in
-    both modes alternately (the best of `rounds` each: a noisy moment hits both). Which mode a CPU's
-    prefetchers prefer differs between CPUs; the results' bits do not. Returns whether it is on."""
+    one-stream decode) through every matrix in turn, as a decode step streams them from memory. Which mode
+    a CPU's prefetchers prefer differs between CPUs; the results' bits do not. Returns whether it is on."""
     kernel = native_quant_gemm()
     if kernel is None or not weights:
         return False
+    return _keep_faster(kernel.set_single_stream, SINGLE_STREAM_ROWS, weights, 1, rounds, "single-stream mode",
+                        f"for up to {SINGLE_STREAM_ROWS} rows")
+
+
+def tune_wide_tiles(weights: Sequence[torch.Tensor], rounds: int = 3) -> bool:
+    """Turn gemm_quant's wide tiles (8 rows instead of 4: gemm_quant.c) on where a batch of WIDE_TILE_ROWS
+    rows through every matrix runs faster with them. The bits do not depend on it. Returns whether it is on."""
+    kernel = native_quant_gemm()
+    if kernel is None or not weights:
+        return False
+    return _keep_faster(kernel.set_wide_tiles, 1, weights, WIDE_TILE_ROWS, rounds, "wide tiles",
+                        f"(timed at {WIDE_TILE_ROWS} rows)")
+
+
+def _keep_faster(set_mode: Callable[[int], None], on: int, weights: Sequence[torch.Tensor], rows: int,
+                 rounds: int, name: str, detail: str) -> bool:
+    """Time `rows` rows through every weight in turn with the mode off and on (set_mode(0), set_mode(on)),
+    alternately, the best of `rounds` each (a noisy moment hits both); keep the faster, log it."""
+    kernel = native_quant_gemm()
+    assert kernel is not None
     # any values time alike; constants leave torch's global random state as the caller seeded it
-    rows = {k: torch.full((1, k), 0.5) for k in {quantized_shape(w)[1] for w in weights}}
-    best = {0: math.inf, SINGLE_STREAM_ROWS: math.inf}
+    x = {k: torch.full((rows, k), 0.5) for k in {quantized_shape(w)[1] for w in weights}}
+    best = {0: math.inf, on: math.inf}
     for _ in range(rounds):
         for mode in best:
-            kernel.set_single_stream(mode)
+            set_mode(mode)
             start = time.perf_counter()
             for w in weights:
-                kernel(rows[quantized_shape(w)[1]], w)
+                kernel(x[quantized_shape(w)[1]], w)
             best[mode] = min(best[mode], time.perf_counter() - start)
     chosen = min(best, key=best.__getitem__)
-    kernel.set_single_stream(chosen)
-    logger.info("quantized GEMM: single-stream mode %s for up to %d rows (%.2f ms vs %.2f ms a pass)",
-                "on" if chosen else "off", SINGLE_STREAM_ROWS, 1e3 * best[SINGLE_STREAM_ROWS], 1e3 * best[0])
+    set_mode(chosen)
+    logger.info("quantized GEMM: %s %s %s (%.2f ms vs %.2f ms a pass)", name, "on" if chosen else "off", detail,
+                1e3 * best[on], 1e3 * best[0])
     return chosen > 0

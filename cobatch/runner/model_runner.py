@@ -19,7 +19,7 @@ from cobatch.kernels.attention import load_attention_kernel
 from cobatch.kernels.cpu import cpu_flags
 from cobatch.kernels.decoder import NativeDecoder
 from cobatch.kernels.hugepages import huge_page_zeros
-from cobatch.kernels.quant_linear import is_quantized, tune_single_stream
+from cobatch.kernels.quant_linear import is_quantized, tune_single_stream, tune_wide_tiles
 from cobatch.models.attention import AttentionKernel, AttentionMetadata, PrefillSpan, make_tiles
 from cobatch.models.llama import LlamaForCausalLM, scope
 from cobatch.models.loader import load_model, release_freed_heap, resolve_model_path
@@ -48,7 +48,9 @@ class ModelRunner:
         param = model.norm  # the model's dtype (a quantized embedding table is uint8 blocks)
         if param.device.type == "cpu" and model.pack_linear_weights():  # bf16 and fp32 (kernels/linear.py)
             release_freed_heap()  # the unpacked copies (the native GEMM's layout: kernels/linear.py)
-        tune_single_stream([p for p in model.parameters() if is_quantized(p)])  # this CPU's faster mode
+        quantized = [p for p in model.parameters() if is_quantized(p)]
+        tune_single_stream(quantized)  # this CPU's faster modes for one stream and for a batch
+        tune_wide_tiles(quantized)
         self.model, self.model_config = model, model_config
         # The layer loop in C where it can run (packed or quantized weights); profiled steps keep the Python loop.
         self.native_decoder: NativeDecoder | None = native_layer_loop(model)

@@ -177,6 +177,8 @@ enum { QUANT_Q8_0 = 0, QUANT_Q4_0 = 1, QUANT_Q4_K = 2, QUANT_Q5_0 = 3 };
 int gemm_quant_path(void);
 /* Calls of at most max_rows rows stream one panel per task, no software prefetch (0: never; a speed choice). */
 void gemm_quant_set_single_stream(int max_rows);
+/* VNNI path: micro-tiles of 8 rows instead of 4 for Q8_0 / Q4_0 / Q5_0 (1: on, 0: off; a speed choice). */
+void gemm_quant_set_wide_tiles(int on);
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL), W packed from GGUF blocks; x, bias, y fp32 or bf16. */
 int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
                int64_t K, int is_bf16, int num_threads);

@@ -38,7 +38,8 @@
  * micro-tile reads its panels from memory, the others from L2, and those bring the next task's panels
  * into L2 as they go (ahead_slice); Q4_K's scales, unpacked by the first, are kept for the others
  * (ScaleCache). Calls of one or two rows can instead take one panel per task with no software prefetch
- * (single-stream mode, chosen per CPU at load: gemm_quant_set_single_stream).
+ * (single-stream mode), and the VNNI path micro-tiles of 8 rows with the fp32 results in L1 (wide tiles);
+ * both are chosen per CPU at load (gemm_quant_set_single_stream, gemm_quant_set_wide_tiles).
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
  * row's result does not depend on M, the tiling or the thread count. Quantizing x costs what it costs
@@ -75,6 +76,7 @@
 #ifndef MR
 #define MR 4    /* input rows per micro-tile */
 #endif
+#define MR_WIDE 8 /* rows per VNNI micro-tile in wide-tile mode (gemm_quant_set_wide_tiles): results in L1 */
 #ifndef NZ
 #define NZ 3    /* panels per micro-tile: 4 x 3 keeps 28 of the 32 vector registers busy */
 #endif
@@ -519,16 +521,23 @@ typedef struct {
 } Ahead;
 
 /* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream`: prefetch
- * the panels ahead (prefetch_ahead); else `ahead`'s bytes into L2. Q4_K: (a, b) through `kab`. */
+ * the panels ahead (prefetch_ahead); else `ahead`'s bytes into L2. Q4_K: (a, b) through `kab`. Up to MR
+ * rows the fp32 results stay in registers; a wide tile (up to MR_WIDE rows) keeps them in y's rows (L1)
+ * and its registers for the MR_WIDE NZ integer sums: the same arithmetic, in the same order. */
 INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
                  int nz, float *out, int64_t ldo, int stream, Ahead ahead, ScaleCache kab) {
+    const int wide = mr > MR;  /* a literal in each copy: the compiler keeps one of the two ways */
     __m512 acc[MR * NZ];
-    for (int i = 0; i < MR * NZ; i++) acc[i] = _mm512_setzero_ps();
+    for (int m = 0; m < mr; m++)
+        for (int z = 0; z < nz; z++) {
+            if (wide) _mm512_storeu_ps(out + m * ldo + z * NR, _mm512_setzero_ps());
+            else acc[m * NZ + z] = _mm512_setzero_ps();
+        }
     const int64_t nb = K / QB;
     const float off = code_offset(qtype);
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *blk[NZ];
-        __m512i sum[MR * NZ];
+        __m512i sum[MR_WIDE * NZ];
 #pragma GCC unroll 4
         for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j);
         if (stream) prefetch_ahead(qtype, blk, nz, j);
@@ -572,34 +581,50 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 4
             for (int z = 0; z < nz; z++) {
                 __m512 s = _mm512_cvtepi32_ps(sum[m * NZ + z]);
+                __m512 y = wide ? _mm512_loadu_ps(out + m * ldo + z * NR) : acc[m * NZ + z];
                 if (qtype == QUANT_Q4_K) {
                     const __m512 dxs = _mm512_set1_ps(x->d[xb] * (float)x->s[xb]);
-                    acc[m * NZ + z] = _mm512_fmadd_ps(_mm512_mul_ps(s, dx), a[z], acc[m * NZ + z]);
-                    acc[m * NZ + z] = _mm512_fnmadd_ps(b[z], dxs, acc[m * NZ + z]);
+                    y = _mm512_fmadd_ps(_mm512_mul_ps(s, dx), a[z], y);
+                    y = _mm512_fnmadd_ps(b[z], dxs, y);
                 } else {
-                    acc[m * NZ + z] = _mm512_fmadd_ps(s, _mm512_mul_ps(a[z], dx), acc[m * NZ + z]);
+                    y = _mm512_fmadd_ps(s, _mm512_mul_ps(a[z], dx), y);
                 }
+                if (wide) _mm512_storeu_ps(out + m * ldo + z * NR, y);
+                else acc[m * NZ + z] = y;
             }
         }
     }
-    for (int m = 0; m < mr; m++)
+    for (int m = 0; m < mr && !wide; m++)
         for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + m * ldo + z * NR, acc[m * NZ + z]);
 }
 
 /* Each (format, mr, nz) its own unrolled copy: the tile sizes must be literals for the registers. */
 #define QCASE(R, Z) case (R) * 4 + (Z): tile(qtype, x, m0, R, w, K, p0, Z, out, ldo, stream, ahead, kab); break;
 #define QCASES(R) QCASE(R, 1) QCASE(R, 2) QCASE(R, 3)
-_Static_assert(MR <= 4 && NZ <= 3, "the tile cases below cover mr <= 4, nz <= 3: a missing one computes nothing");
+_Static_assert(MR <= 4 && MR_WIDE <= 8 && NZ <= 3,
+               "the tile cases below cover mr <= 8, nz <= 3: a missing one computes nothing");
 #define QTILE_FN(NAME, QT)                                                                                   \
     static void NAME(const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0, int nz, \
                      float *out, int64_t ldo, int stream, Ahead ahead, ScaleCache kab) {                     \
         const int qtype = QT;                                                                                \
-        switch (mr * 4 + nz) { QCASES(1) QCASES(2) QCASES(3) QCASES(4) default: break; }                     \
+        switch (mr * 4 + nz) {                                                                               \
+            QCASES(1) QCASES(2) QCASES(3) QCASES(4) QCASES(5) QCASES(6) QCASES(7) QCASES(8) default: break;  \
+        }                                                                                                    \
     }
 QTILE_FN(tile_q8_0, QUANT_Q8_0)
 QTILE_FN(tile_q4_0, QUANT_Q4_0)
 QTILE_FN(tile_q4_k, QUANT_Q4_K)
 QTILE_FN(tile_q5_0, QUANT_Q5_0)
+
+/* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but Q4_K (whose larger per-block epilogue
+ * gains nothing from it). Fewer code unpacks and x broadcasts per vpdpbusd: on an AMX Xeon a batch of 16
+ * of a 1B model ran 1.09x (Q4_0 and Q8_0, scripts/quant_modes_ab.py); kernels/quant_linear.py times it
+ * against MR-row tiles at load and keeps the faster (0: off). The bits do not depend on it. */
+static int wide_tiles = 0;
+
+void gemm_quant_set_wide_tiles(int on) { wide_tiles = on; }
+
+static inline int tile_height(int qtype) { return wide_tiles && qtype != QUANT_Q4_K ? MR_WIDE : MR; }
 
 /* The next task's panels come into L2 while this one computes from L2, a slice per micro-tile after its
  * first: then no micro-tile waits on memory alone, and a batch runs at the larger of its compute and memory
@@ -622,11 +647,12 @@ static Ahead ahead_slice(int qtype, const uint8_t *next, int64_t next_bytes, int
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
                       int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
                       int prefetch, float *scales) {
-    const int64_t num_tiles = (rows + MR - 1) / MR;
+    const int height = tile_height(qtype);
+    const int64_t num_tiles = (rows + height - 1) / height;
     if (num_tiles == 1) scales = NULL;
     for (int64_t i = 0; i < num_tiles; i++) {
-        const int64_t m = i * MR;
-        const int mr = (int)(rows - m < MR ? rows - m : MR);
+        const int64_t m = i * height;
+        const int mr = (int)(rows - m < height ? rows - m : height);
         const int stream = i == 0 && prefetch;  /* the task's first micro-tile reads its panels from memory */
         const Ahead ahead = prefetch ? ahead_slice(qtype, next, next_bytes, num_tiles, i, K) : (Ahead){NULL, 0};
         float *o = out + m * ldo;
@@ -640,6 +666,10 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 #endif
 
 /* ----------------------------------------------------------------------------------- entry points */
+
+#if !QUANT_VNNI
+void gemm_quant_set_wide_tiles(int on) { (void)on; }  /* the VNNI path's mode; the others have one tile */
+#endif
 
 int gemm_quant_path(void) { return QUANT_PATH; }
 
