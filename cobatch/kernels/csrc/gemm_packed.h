@@ -90,6 +90,7 @@ typedef void (*TileFn)(const void *x, int64_t ldx, int64_t kc, const void *wp, S
             default: break;                                                                                 \
         }                                                                                                   \
     }
+#if defined(__AVX512F__)
 /* A tile's fp32 accumulators (gemm_f32.c, gemm_f32_wbf16.c): the partial sums y holds (accumulate: a K block
  * after the first, reloaded exactly) or zeros. */
 INLINE void f32_tile_start(__m512 *acc, const float *y, int64_t ldy, int mr, int nz, int accumulate) {
@@ -109,6 +110,7 @@ INLINE void f32_tile_store(const __m512 *acc, const float *bias, float *y, int64
         for (int m = 0; m < mr; m++) _mm512_storeu_ps(y + m * ldy + z * NR, _mm512_add_ps(acc[m * NZ + z], b));
     }
 }
+#endif
 
 /* The SiLU-multiply epilogue of a dtype (fused_ops.c: silu_mul_rows_bf16 / silu_mul_rows_f32). */
 typedef void (*SiluRowsFn)(const void *gate, const void *up, void *out, int64_t rows, int64_t width,
