@@ -3,8 +3,8 @@ activations: csrc/gemm_f32_wbf16.c), F.linear for the rest.
 
 One native kernel per dtype serves every batch size: decode steps (M = 1..64 rows, each weight streamed
 from DRAM once) and prefill (thousands of rows, compute-bound); in bf16 on a CPU with AMX its tiles run
-on the tile unit (use_amx; 2.7x a batch of 16 and 2x a prefill of a 1B model). It needs the weight repacked once, at load
-time, into panels of 16 output columns, one 64-byte line per K step: a K pair in bf16 (the layout
+on the tile unit (use_amx; on a 1B model 2.8x a batch of 16, 5x a prefill). It needs the weight repacked
+once, at load time, into panels of 16 output columns, one 64-byte line per K step: a K pair in bf16 (the layout
 vdpbf16ps consumes), one K value in fp32 (vfmadd231ps against a broadcast x); the C files and their
 shared gemm_packed.h explain it. scripts/linear_microbench.py measures it against oneDNN's F.linear
 (docs/BENCHMARKS.md).

@@ -172,8 +172,8 @@ def tune_single_stream(weights: Sequence[torch.Tensor], rounds: int = 3) -> bool
     kernel = native_quant_gemm()
     if kernel is None or not weights:
         return False
-    return _keep_faster(kernel.set_single_stream, SINGLE_STREAM_ROWS, weights, 1, rounds, "single-stream mode",
-                        f"for up to {SINGLE_STREAM_ROWS} rows")
+    return _keep_faster(kernel, kernel.set_single_stream, SINGLE_STREAM_ROWS, weights, 1, rounds,
+                        "single-stream mode", f"for up to {SINGLE_STREAM_ROWS} rows")
 
 
 def tune_wide_tiles(weights: Sequence[torch.Tensor], rounds: int = 3) -> bool:
@@ -182,16 +182,14 @@ def tune_wide_tiles(weights: Sequence[torch.Tensor], rounds: int = 3) -> bool:
     kernel = native_quant_gemm()
     if kernel is None or not weights:
         return False
-    return _keep_faster(kernel.set_wide_tiles, 1, weights, WIDE_TILE_ROWS, rounds, "wide tiles",
+    return _keep_faster(kernel, kernel.set_wide_tiles, 1, weights, WIDE_TILE_ROWS, rounds, "wide tiles",
                         f"(timed at {WIDE_TILE_ROWS} rows)")
 
 
-def _keep_faster(set_mode: Callable[[int], None], on: int, weights: Sequence[torch.Tensor], rows: int,
-                 rounds: int, name: str, detail: str) -> bool:
+def _keep_faster(kernel: QuantGemm, set_mode: Callable[[int], None], on: int, weights: Sequence[torch.Tensor],
+                 rows: int, rounds: int, name: str, detail: str) -> bool:
     """Time `rows` rows through every weight in turn with the mode off and on (set_mode(0), set_mode(on)),
     alternately, the best of `rounds` each (a noisy moment hits both); keep the faster, log it."""
-    kernel = native_quant_gemm()
-    assert kernel is not None
     # any values time alike; constants leave torch's global random state as the caller seeded it
     x = {k: torch.full((rows, k), 0.5) for k in {quantized_shape(w)[1] for w in weights}}
     best = {0: math.inf, on: math.inf}

@@ -28,7 +28,6 @@
 #include "cobatch_kernels.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define HAVE_WBF16 1
 #include "gemm_packed.h"
 
 #ifndef KC_MAX

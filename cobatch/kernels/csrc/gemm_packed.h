@@ -122,7 +122,7 @@ typedef struct {
     int64_t xsize;        /* bytes per element of x, bias and y (gemm_f32_wbf16.c: fp32 on bf16 weights) */
     int64_t max_kc;       /* K values per block at most (0: K in one block; blocks need fp32 outputs) */
     int sequential;       /* blocks of NZ panels where N allows (one stream per group), else always 1 */
-    int rows;             /* input rows per micro-tile: MR (a vector tile, which takes one more), or 16 (AMX) */
+    int rows;             /* input rows per micro-tile: MR (an AVX-512 tile, which takes one more), 4 (AVX2), 16 (AMX) */
     TileFn tile;
     SiluRowsFn silu_rows;
 } PackedKernel;
