@@ -2,7 +2,7 @@
 
 scripts/quant_microbench.py times the library's own build against the read bandwidth; this one compares builds.
 
-Each format (Q8_0, Q4_0, Q4_K, Q5_0) on an N x K matrix at M = 1 and 16 rows, weights out of cache (a ring
+Each format (Q8_0, Q4_0, Q4_K, Q5_0, Q6_K) on an N x K matrix at M = 1 and 16 rows, weights out of cache (a ring
 of copies larger than the last-level cache), against torch's fp32 `F.linear` on the dense matrix (a ring
 too). Builds: this CPU's own path (AVX-512 VNNI, AVX2 or plain C), the plain C path (-DQUANT_SCALAR),
 with --baseline REV the gemm_quant.c of a git revision (its own default path), and with --variant
@@ -27,11 +27,12 @@ import torch
 
 from cobatch.bench.common import write_json
 from cobatch.kernels.build import COMPILE_FLAGS
+from cobatch.kernels.quant_linear import FORMATS
 from cobatch.models.quantization import quantize
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "cobatch/kernels/csrc"
-QTYPES = {"q8_0": 0, "q4_0": 1, "q4_k": 2, "q5_0": 3}
+QTYPES = {name: fmt.qtype for name, fmt in FORMATS.items()}
 RING_BYTES = 96 << 20  # past any last-level cache here
 
 

@@ -2,12 +2,12 @@
 
 Both sources are first turned into HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), then
 `build_model` fuses them into the decoder's layout (QKV and gate/up concatenated). A GGUF tensor in a
-format the quantized kernel serves (Q8_0, Q4_0, Q4_K, Q5_0: kernels/quant_linear.py) stays as its blocks,
-a uint8 [N, K / block, block_bytes] tensor, and the model keeps it packed, never dense. In a file mostly
-in those formats, a matrix in another quantized type (llama-quantize's mixes put the lm_head and some
-attn_v / ffn_down in Q6_K ...) becomes Q8_0, requantized from its dequantized values, and so does a
-fused projection whose parts differ in format (exactly from Q4_0 and Q5_0 parts): dense fp32 copies
-of them would hold 4-5x their bytes and be streamed every step. Other files are dequantized with
+format the quantized kernel serves (Q8_0, Q4_0, Q4_K, Q5_0, Q6_K: kernels/quant_linear.py) stays as its
+blocks, a uint8 [N, K / block, block_bytes] tensor, and the model keeps it packed, never dense (so the Q6_K
+lm_head, attn_v and ffn_down of llama-quantize's Q4_K_M mix stay Q6_K). In a file mostly in those formats,
+a matrix in another quantized type (Q4_1, Q5_1, Q5_K ...) becomes Q8_0, requantized from its dequantized
+values, and so does a fused projection whose parts differ in format (exactly from Q4_0 and Q5_0 parts):
+dense fp32 copies of them would hold 4-5x their bytes and be streamed every step. Other files are dequantized with
 `gguf`. `quantization` ("q8_0" | "q4_0") quantizes the dense projections and embeddings at load
 (models/quantization.py).
 
@@ -150,7 +150,7 @@ class _WeightFiller:
         formats = {_block_format(t) for t in parts}
         rows, in_features = param.shape
         fmt = next(iter(formats)) if len(formats) == 1 else None
-        if len(formats) > 1 and None not in formats:  # blocks of several formats (Q4_K q, k; a Q8_0 v)
+        if len(formats) > 1 and None not in formats:  # blocks of several formats (Q4_K q, k; a Q6_K v)
             fmt = FORMATS["q8_0"]
             parts = [_as_q8_0(t) for t in parts]
         if fmt is not None and can_pack_blocks(rows, in_features, fmt):

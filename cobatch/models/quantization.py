@@ -1,11 +1,13 @@
-"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_K), for `--quantization` and the test files.
+"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_0, Q6_K), for `--quantization` and the test files.
 
 Q8_0 and Q4_0 use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
 `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref`, so a folder quantized here holds the bytes
-llama-quantize's reference path writes. gguf-py has no Q4_K quantizer: `quantize_q4_k` is a plain one
+llama-quantize's reference path writes. gguf-py has no K-quant quantizers: `quantize_q4_k` is a plain one
 (each 32-weight sub-block's range mapped onto 0..15, its scale and min rounded to 6 bits of the super
-block's fp16 d and dmin), without llama.cpp's iterative search for the best scale, so its error is
-somewhat larger; the format and the bytes' meaning are GGUF's (gguf-py dequantizes them, tested).
+block's fp16 d and dmin), and so is `quantize_q6_k` (each 16-weight sub-block's largest value mapped onto
+-32, its scale rounded to an int8 of the super block's d, as the first step of llama.cpp's), both without
+llama.cpp's iterative search for the best scale, so their error is somewhat larger; the formats and the
+bytes' meaning are GGUF's (gguf-py dequantizes them, tested).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 from cobatch.kernels.quant_linear import FORMATS, QuantFormat
 
 GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-              "q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_0": gguf.GGMLQuantizationType.Q5_0}
+              "q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_0": gguf.GGMLQuantizationType.Q5_0,
+              "q6_k": gguf.GGMLQuantizationType.Q6_K}
 
 
 def format_of(tensor_type: gguf.GGMLQuantizationType) -> QuantFormat | None:
@@ -29,7 +32,10 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
     """A dense [N, K] weight -> its GGUF blocks [N, K / block, block_bytes] (uint8) in format `name`."""
     fmt = FORMATS[name]
     values = weight.detach().to(torch.float32).numpy()
-    data = quantize_q4_k(values) if name == "q4_k" else gguf.quants.quantize(values, GGUF_TYPES[name])
+    if name in ("q4_k", "q6_k"):  # gguf-py's own quantizers stop at the 32-weight formats
+        data = quantize_q4_k(values) if name == "q4_k" else quantize_q6_k(values)
+    else:
+        data = gguf.quants.quantize(values, GGUF_TYPES[name])
     return torch.from_numpy(np.ascontiguousarray(data)).view(weight.shape[0], -1, fmt.block_bytes)
 
 
@@ -84,11 +90,34 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     return out.reshape(n, -1)
 
 
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """[N, K] fp32 (K % 256 == 0) -> Q6_K bytes [N, K / 256 * 210]."""
+    n, k = values.shape
+    sub = values.reshape(n, k // 256, 16, 16).astype(np.float32)
+    scale = _signed_absmax(sub) / -32.0  # the sub-block's largest value -> code -32   [n, sb, 16]
+    d = (_signed_absmax(scale) / -128.0).astype(np.float16)  # the largest scale -> -128   [n, sb]
+    sc = _ratio(scale, d).clip(-128, 127).astype(np.int8)
+    step = d.astype(np.float32)[..., None] * sc  # each sub-block's weight per code step
+    codes = (_ratio(sub, step).clip(-32, 31) + 32).astype(np.uint8).reshape(n, k // 256, 2, 4, 32)
+    lo, hi = codes & 0xF, codes >> 4  # [n, sb, half, quarter, l]: GGUF's order of a super block's codes
+    ql = np.concatenate([lo[..., 0, :] | (lo[..., 2, :] << 4), lo[..., 1, :] | (lo[..., 3, :] << 4)], axis=-1)
+    qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
+    out = np.concatenate([ql.reshape(n, k // 256, 128), qh.reshape(n, k // 256, 64), sc.view(np.uint8),
+                          d[..., None].view(np.uint8)], axis=-1)
+    return out.reshape(n, -1)
+
+
+def _signed_absmax(values: np.ndarray) -> np.ndarray:
+    """The entry of largest magnitude along the last axis, with its sign."""
+    at = np.abs(values).argmax(axis=-1)[..., None]
+    return np.take_along_axis(values, at, axis=-1)[..., 0]
+
+
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     """round(num / den), 0 where den is 0."""
     den = np.broadcast_to(den.astype(np.float32)[..., None] if den.ndim < num.ndim else den, num.shape)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den > 0, np.round(num / np.where(den > 0, den, 1.0)), 0.0)
+        return np.where(den != 0, np.round(num / np.where(den != 0, den, 1.0)), 0.0)
 
 
 def _pack_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:

@@ -1,20 +1,23 @@
-/* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 4.5, 5.5 or 8.5
- * bits per weight (Q8_0, Q4_0, Q4_K, Q5_0), x fp32 or bf16, fp32 accumulation.
+/* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 4.5, 5.5, 6.56 or
+ * 8.5 bits per weight (Q8_0, Q4_0, Q4_K, Q5_0, Q6_K), x fp32 or bf16, fp32 accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
- * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q5_0 0.69,
- * Q4_0 and Q4_K 0.56. Dequantizing at load would give that back.
+ * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
+ * Q5_0 0.69, Q4_0 and Q4_K 0.56. Dequantizing at load would give that back.
  *
  * Activations: each row of x is quantized on the fly, per block of 32, to int8 (scale dx = max|x| / 127,
  * q = round-to-nearest-even(x / dx)), and the sum of each block's q kept (llama.cpp's Q8_0/Q8_1
- * activations). A weight block's dot with it is then one integer sum, taken 4 products at a time by
+ * activations; and the sum of each half, for Q6_K). A weight block's dot with it is then one integer sum
+ * (Q6_K: one per 16 weights), taken 4 products at a time by
  * AVX-512 VNNI's vpdpbusd (u8 x s8): the weight side is the unsigned operand, as a code c = w / a + o in
  * 0..255 with a per-block offset o, so sum(w x) = dx * a * (sum(c q) - o sum(q)):
  *     Q8_0: c = w + 128 (its int8 with the sign bit flipped, done once at packing), a = d, o = 128;
  *     Q4_0: c = the 4-bit code 0..15, a = d, o = 8;
  *     Q5_0: c = the 5-bit code 0..31 (4 low bits as Q4_0's, the fifth from qh), a = d, o = 16;
  *     Q4_K: c = the 4-bit code, per 32-weight sub-block a = d * scale, and w = a c - dmin * min, so
- *           sum(w x) = dx * (a sum(c q) - dmin * min * sum(q)).
+ *           sum(w x) = dx * (a sum(c q) - dmin * min * sum(q));
+ *     Q6_K: c = the 6-bit code 0..63, per 16-weight sub-block a = d * scale (int8), o = 32: the sums of
+ *           the two halves of a 32-block are scaled apart.
  *
  * Layout (kernels/quant_linear.py packs it once at load from GGUF's blocks; the same bytes, reordered): the
  * weight is cut into panels of 16 output rows, and each panel into its blocks along K (32 weights, Q4_K:
@@ -29,8 +32,14 @@
  *     Q4_K (2304 bytes): d[16] | dmin[16] fp16 | scales[3][16][4]: GGUF's 12 scale bytes of row l, 4 at a
  *                       time | qs[4][8][16][4]: GGUF's qs bytes 32 c + 4 g .. + 3 (low nibbles: K 64 c +
  *                       4 g + t, sub-block 2 c; high: 64 c + 32 + 4 g + t, sub-block 2 c + 1)
+ *     Q6_K (3360 bytes): d[16] fp16 | scales[16][16] int8 (sub-block s of lane l at 16 s + l) | then per
+ *                       32-block c (0..7) of the super-block, per half h: v[3][16][4]: byte (r, l, t) =
+ *                       the code of K 32 c + 16 h + 4 r + t in bits 0..5, and bits 2 r, 2 r + 1 of the
+ *                       code of K 32 c + 16 h + 12 + t in bits 6, 7 (regrouped from GGUF's ql / qh at
+ *                       packing: three of each four code vectors are then one AND away, the fourth is
+ *                       gathered from the three top bit pairs)
  * In every format, 32-block j's codes are 8 vectors of 16 lanes x 4 K, vector g holding K 32 j + 4 g ..:
- * the loop below is one for all three; only how a vector is fetched and a block's (a, o) differ.
+ * the loop below is one for all; only how a vector is fetched and a block's (a, o) differ.
  *
  * Work split: tasks are (group of NZ panels, chunk of MC rows); each OpenMP thread takes one contiguous
  * run of them (at decode sizes: its part of the weight, streamed in order). A micro-tile of MR rows x NZ
@@ -42,7 +51,9 @@
  * both are chosen per CPU at load (gemm_quant_set_single_stream, gemm_quant_set_wide_tiles).
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
- * row's result does not depend on M, the tiling or the thread count. Quantizing x costs what it costs
+ * row's result does not depend on M, the tiling or the thread count. Q6_K's two half sums are multiplied by
+ * their int8 scales and added as integers (|sum| <= 2 x 128 x 16 x 32 x 127 < 2^24: exact in fp32 too), so
+ * its block is scaled once, by d dx, as the others are. Quantizing x costs what it costs
  * llama.cpp (about 0.4% of each block's largest value). Without AVX-512 VNNI the same arithmetic runs on the
  * same layout as AVX2 (each vpdpbusd as vpmaddubsw + vpmaddwd, a panel as two 8-lane halves), else (or with
  * -DQUANT_SCALAR) as plain C on 16-lane vectors.
@@ -86,14 +97,21 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* Bytes of one panel block and weights per format block. */
-static const int64_t PANEL_BYTES[4] = {NR * 34, NR * 18, NR * 144, NR * 22};
-static const int64_t BLOCK_K[4] = {32, 32, 256, 32};
+static const int64_t PANEL_BYTES[5] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210};
+static const int64_t BLOCK_K[5] = {32, 32, 256, 32, 256};
+#define Q6_CODES 288 /* where a Q6_K panel block's codes start (after d and the scales) */
+#define Q6_BLOCK 384 /* a Q6_K panel's bytes of codes per 32-block: two halves of 3 vectors */
 
-/* x quantized: codes [M, K] int8, per 32-block scale [M, K / 32] and sum of codes [M, K / 32]. */
+/* Integer sums per 32-block: 2 for Q6_K (one per 16-weight sub-block, each with its own scale), else 1. */
+static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K ? 2 : 1; }
+
+/* x quantized: codes [M, K] int8, per 32-block scale [M, K / 32] and sum of codes [M, K / 32], and the sum
+ * of each 16-block's codes [M, K / 16] (Q6_K's sub-blocks). */
 typedef struct {
     int8_t *q;
     float *d;
     int32_t *s;
+    int32_t *s16;
     int64_t K;
 } QuantRows;
 
@@ -115,7 +133,8 @@ static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2)
 /* ------------------------------------------------------------------------ activation quantization */
 
 #if QUANT_VNNI
-/* Row `row` of x into r, per block of 32: scale, codes, sum (16-lane vectors; vcvtps2dq rounds to nearest even, as nearbyintf does by default). */
+/* Row `row` of x into r, per block of 32: scale, codes, sums (16-lane vectors; vcvtps2dq rounds to nearest
+ * even, as nearbyintf does by default). */
 static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) {
     const int64_t K = r->K;
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
@@ -128,14 +147,15 @@ static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) 
                            : _mm512_loadu_ps((const float *)x + at + 16 * h);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], sign), _mm512_and_ps(v[1], sign)));
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        __m512i sum = _mm512_setzero_si512();
+        int32_t half[2];
         for (int h = 0; h < 2; h++) {
             __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
             c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
             _mm_storeu_si128((__m128i *)(r->q + at + 16 * h), _mm512_cvtepi32_epi8(c));
-            sum = _mm512_add_epi32(sum, c);
+            half[h] = _mm512_reduce_add_epi32(c);
+            r->s16[row * (K / 16) + 2 * j + h] = half[h];
         }
-        r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = _mm512_reduce_add_epi32(sum);
+        r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = half[0] + half[1];
     }
 }
 #else
@@ -149,14 +169,15 @@ static void quantize_block_scalar(const void *x, int is_bf16, int64_t row, int64
         amax = a > amax ? a : amax;
     }
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    int32_t sum = 0;
+    int32_t half[2] = {0, 0};
     for (int t = 0; t < QB; t++) {
         float c = nearbyintf(v[t] * id);
         c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
         r->q[at + t] = (int8_t)c;
-        sum += (int32_t)c;
+        half[t / 16] += (int32_t)c;
     }
-    r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = sum;
+    r->s16[row * (K / 16) + 2 * j] = half[0], r->s16[row * (K / 16) + 2 * j + 1] = half[1];
+    r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = half[0] + half[1];
 }
 
 static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) {
@@ -176,13 +197,25 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
     }
 }
 
-/* o: the code of a zero weight in the 32-block formats (w = d (c - o)). */
+/* o: the code of a zero weight in the formats without mins (w = a (c - o)). */
 static inline float code_offset(int qtype) {
-    return qtype == QUANT_Q8_0 ? 128.0f : qtype == QUANT_Q5_0 ? 16.0f : 8.0f;
+    switch (qtype) {
+    case QUANT_Q8_0: return 128.0f;
+    case QUANT_Q6_K: return 32.0f;
+    case QUANT_Q5_0: return 16.0f;
+    default: return 8.0f;
+    }
 }
 
-/* The weight w = a c - b of 32-block j (of the panel block at blk) for row lane: (a, b). */
-static void block_ab(int qtype, const uint8_t *blk, int lane, int j, float *a, float *b) {
+/* The weight w = a c - b at K index k (0..31) of 32-block j (of the panel block at blk) for row lane. */
+static void block_ab(int qtype, const uint8_t *blk, int lane, int j, int k, float *a, float *b) {
+    if (qtype == QUANT_Q6_K) {
+        const int8_t sc = (int8_t)blk[32 + 16 * (2 * (j % 8) + k / 16) + lane];
+        *a = f16_to_f32(load_u16(blk + 2 * lane)) * (float)sc;
+        *b = *a * 32.0f;
+        return;
+    }
+    (void)k;
     if (qtype == QUANT_Q4_K) {
         uint8_t q[12];
         for (int i = 0; i < 3; i++) memcpy(q + 4 * i, blk + 64 + 64 * i + 4 * lane, 4);
@@ -200,6 +233,11 @@ static void block_ab(int qtype, const uint8_t *blk, int lane, int j, float *a, f
 static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k) {
     const int g = k / 4, t = k % 4;
     if (qtype == QUANT_Q8_0) return blk[32 + 64 * g + 4 * lane + t];
+    if (qtype == QUANT_Q6_K) {
+        const uint8_t *v = blk + Q6_CODES + Q6_BLOCK * (j % 8) + 192 * (g / 4) + 4 * lane + t;
+        if (g % 4 < 3) return v[64 * (g % 4)] & 63;
+        return (v[0] >> 6) | ((v[64] >> 6) << 2) | ((v[128] >> 6) << 4);
+    }
     if (qtype == QUANT_Q4_0) return (blk[32 + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf;
     if (qtype == QUANT_Q5_0)
         return ((blk[96 + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf) |
@@ -248,6 +286,12 @@ INLINE LaneWords load_lanes(const uint8_t *p) { LaneWords v; memcpy(&v, p, sizeo
 /* Codes vector g of 32-block j as 16 lanes of 4 codes, one per byte (the VNNI path's operand). */
 INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
     if (qtype == QUANT_Q8_0) return load_lanes(blk + 32 + 64 * g);
+    if (qtype == QUANT_Q6_K) {
+        const uint8_t *v = blk + Q6_CODES + Q6_BLOCK * (j % 8) + 192 * (g / 4);
+        if (g % 4 < 3) return load_lanes(v + 64 * (g % 4)) & 0x3f3f3f3fu;
+        return ((load_lanes(v) >> 6) & 0x03030303u) | ((load_lanes(v + 64) >> 4) & 0x0c0c0c0cu) |
+               ((load_lanes(v + 128) >> 2) & 0x30303030u);
+    }
     if (qtype == QUANT_Q4_K)
         return (load_lanes(blk + 256 + 512 * ((j % 8) / 2) + 64 * g) >> (j % 2 ? 4 : 0)) & 0x0f0f0f0fu;
     const LaneWords v = load_lanes(blk + (qtype == QUANT_Q5_0 ? 96 : 32) + 64 * (g % 4));
@@ -272,23 +316,36 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
     (void)next, (void)next_bytes, (void)prefetch, (void)scales;  /* no prefetching, no scale cache here */
     const int64_t nb = K / QB;
     const int32_t off = (int32_t)code_offset(qtype);
+    const int halves = sums_per_block(qtype), span = QB / halves;
     for (int z = 0; z < nz; z++) {
         for (int64_t m = 0; m < rows; m++) memset(out + m * ldo + z * NR, 0, NR * sizeof(float));
         for (int64_t j = 0; j < nb; j++) {
             const uint8_t *blk = panel_block(qtype, w, K, p0 + z, j);
             LaneInts ct[QB];
+            block_codes(qtype, blk, (int)j, ct);
             float ab[2][NR];
             LaneFloats a, b;
-            block_codes(qtype, blk, (int)j, ct);
-            for (int lane = 0; lane < NR; lane++)
-                block_ab(qtype, blk, lane, (int)j, &ab[0][lane], &ab[1][lane]);
+            LaneInts sc[2];  /* Q6_K: each half's int8 scale, applied to its integer sum; a is d alone */
+            for (int lane = 0; lane < NR; lane++) {
+                block_ab(qtype, blk, lane, (int)j, 0, &ab[0][lane], &ab[1][lane]);
+                if (halves == 2) {
+                    ab[0][lane] = f16_to_f32(load_u16(blk + 2 * lane));
+                    for (int hf = 0; hf < 2; hf++) sc[hf][lane] = (int8_t)blk[32 + 16 * (2 * (j % 8) + hf) + lane];
+                }
+            }
             memcpy(&a, ab[0], sizeof a), memcpy(&b, ab[1], sizeof b);
             for (int64_t m = 0; m < rows; m++) {
                 const int8_t *xq = x->q + (m0 + m) * K + j * QB;
                 const int64_t xb = (m0 + m) * nb + j;
-                /* the 32-block formats start at -o sum(q), so the sum is sum(w q) / d already (as VNNI's) */
-                LaneInts sum = (LaneInts){0} + (qtype == QUANT_Q4_K ? 0 : -off * x->s[xb]);
-                for (int k = 0; k < QB; k++) sum += ct[k] * (int32_t)xq[k];
+                LaneInts sum = (LaneInts){0};
+                for (int hf = 0; hf < halves; hf++) {
+                    /* the formats without mins start at -o sum(q), so the sum is sum(w q) / a already (as
+                     * VNNI's) */
+                    const int32_t xs = halves == 2 ? x->s16[2 * xb + hf] : x->s[xb];
+                    LaneInts half = (LaneInts){0} + (qtype == QUANT_Q4_K ? 0 : -off * xs);
+                    for (int k = hf * span; k < (hf + 1) * span; k++) half += ct[k] * (int32_t)xq[k];
+                    sum += halves == 2 ? half * sc[hf] : half;
+                }
                 const LaneFloats s = __builtin_convertvector(sum, LaneFloats);
                 LaneFloats y;
                 memcpy(&y, out + m * ldo + z * NR, sizeof y);
@@ -313,6 +370,14 @@ INLINE __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m2
 INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return load256(blk + 32 + 64 * g + 32 * h);
+    if (qtype == QUANT_Q6_K) {
+        const uint8_t *v = blk + Q6_CODES + Q6_BLOCK * j + 192 * (g / 4) + 32 * h;
+        if (g % 4 < 3) return _mm256_and_si256(load256(v + 64 * (g % 4)), _mm256_set1_epi8(0x3f));
+        const __m256i p0 = _mm256_and_si256(_mm256_srli_epi16(load256(v), 6), _mm256_set1_epi8(0x03));
+        const __m256i p1 = _mm256_and_si256(_mm256_srli_epi16(load256(v + 64), 4), _mm256_set1_epi8(0x0c));
+        const __m256i p2 = _mm256_and_si256(_mm256_srli_epi16(load256(v + 128), 2), _mm256_set1_epi8(0x30));
+        return _mm256_or_si256(_mm256_or_si256(p0, p1), p2);
+    }
     if (qtype == QUANT_Q4_K) {
         const __m256i v = load256(blk + 256 + 512 * ((j % 8) / 2) + 64 * g + 32 * h);
         return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
@@ -368,29 +433,47 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
     for (int m = 0; m < MR2; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     const int64_t nb = K / QB;
     const int32_t off = qtype == QUANT_Q4_K || qtype == QUANT_Q8_0 ? 0 : (int32_t)code_offset(qtype);
+    const int halves = sums_per_block(qtype), span = 8 / halves;  /* span: code vectors per integer sum */
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *blk = panel_block(qtype, w, K, p, j);
-        __m256i sum[MR2][2];
         if (stream) {
             const int64_t step = PANEL_BYTES[qtype] * QB / BLOCK_K[qtype];  /* a 32-block's bytes */
             const uint8_t *ahead = panel_block(qtype, w, K, p, 0) + (j + PREFETCH_J2) * step;
             for (int64_t b = 0; b < step; b += 64) _mm_prefetch((const char *)ahead + b, _MM_HINT_T0);
         }
-#pragma GCC unroll 4
-        for (int m = 0; m < mr; m++) sum[m][0] = sum[m][1] = _mm256_set1_epi32(-off * x->s[(m0 + m) * nb + j]);
-#pragma GCC unroll 8
-        for (int g = 0; g < 8; g++) {
-            __m256i c[2], sign[2];
-            for (int h = 0; h < 2; h++) {
-                c[h] = half_codes(qtype, blk, (int)(j % 8), g, h);
-                if (qtype == QUANT_Q8_0) sign[h] = _mm256_xor_si256(c[h], _mm256_set1_epi8((char)0x80)),
-                                         c[h] = _mm256_abs_epi8(sign[h]);
-            }
+        /* the block's integer sum: Q6_K's halves times their scales (zeroed: gcc does not see hf 0 set it) */
+        __m256i sum[MR2][2] = {{_mm256_setzero_si256()}};
+        for (int hf = 0; hf < halves; hf++) {
+            __m256i half[MR2][2];
 #pragma GCC unroll 4
             for (int m = 0; m < mr; m++) {
-                const __m256i xq = _mm256_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
-                for (int h = 0; h < 2; h++)
-                    sum[m][h] = dot4(sum[m][h], c[h], qtype == QUANT_Q8_0 ? _mm256_sign_epi8(xq, sign[h]) : xq);
+                const int64_t xb = (m0 + m) * nb + j;
+                half[m][0] = half[m][1] = _mm256_set1_epi32(-off * (halves == 2 ? x->s16[2 * xb + hf] : x->s[xb]));
+            }
+#pragma GCC unroll 8
+            for (int g = hf * span; g < (hf + 1) * span; g++) {
+                __m256i c[2], sign[2];
+                for (int h = 0; h < 2; h++) {
+                    c[h] = half_codes(qtype, blk, (int)(j % 8), g, h);
+                    if (qtype == QUANT_Q8_0) sign[h] = _mm256_xor_si256(c[h], _mm256_set1_epi8((char)0x80)),
+                                             c[h] = _mm256_abs_epi8(sign[h]);
+                }
+#pragma GCC unroll 4
+                for (int m = 0; m < mr; m++) {
+                    const __m256i xq = _mm256_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
+                    for (int h = 0; h < 2; h++)
+                        half[m][h] = dot4(half[m][h], c[h], qtype == QUANT_Q8_0 ? _mm256_sign_epi8(xq, sign[h]) : xq);
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                const __m256i sc = halves == 1 ? _mm256_setzero_si256() : _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                    (const __m128i *)(blk + 32 + 16 * (2 * (j % 8) + hf) + 8 * h)));
+#pragma GCC unroll 4
+                for (int m = 0; m < mr; m++) {
+                    if (halves == 1) sum[m][h] = half[m][h];
+                    else if (hf == 0) sum[m][h] = _mm256_mullo_epi32(half[m][h], sc);
+                    else sum[m][h] = _mm256_add_epi32(sum[m][h], _mm256_mullo_epi32(half[m][h], sc));
+                }
             }
         }
         __m256 a[2], b[2];
@@ -432,6 +515,7 @@ QTILE_FN(tile_q8_0, QUANT_Q8_0)
 QTILE_FN(tile_q4_0, QUANT_Q4_0)
 QTILE_FN(tile_q4_k, QUANT_Q4_K)
 QTILE_FN(tile_q5_0, QUANT_Q5_0)
+QTILE_FN(tile_q6_k, QUANT_Q6_K)
 
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz, a panel at a time (its blocks then stay in L1 for
  * every micro-tile of rows); the hardware prefetcher streams the panels. */
@@ -449,6 +533,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
             if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
             else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
             else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
+            else if (qtype == QUANT_Q6_K) tile_q6_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
             else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, kab);
         }
 }
@@ -459,6 +544,18 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return _mm512_loadu_si512(blk + 32 + 64 * g);
+    if (qtype == QUANT_Q6_K) {
+        const uint8_t *v = blk + Q6_CODES + Q6_BLOCK * j + 192 * (g / 4);
+        if (g % 4 < 3) return _mm512_and_si512(_mm512_loadu_si512(v + 64 * (g % 4)), _mm512_set1_epi8(0x3f));
+        /* the fourth code: bit pairs 6, 7 of the three vectors to 0, 1 | 2, 3 | 4, 5, by 16-bit shifts and
+         * two bit selects (0xE4: C ? A : B); the low byte's bits 6, 7 then hold the high byte's: masked */
+        const __m512i p0 = _mm512_srli_epi16(_mm512_loadu_si512(v), 6);
+        const __m512i p1 = _mm512_srli_epi16(_mm512_loadu_si512(v + 64), 4);
+        const __m512i p2 = _mm512_srli_epi16(_mm512_loadu_si512(v + 128), 2);
+        const __m512i p01 = _mm512_ternarylogic_epi32(p0, p1, _mm512_set1_epi8(0x03), 0xE4);
+        return _mm512_and_si512(_mm512_ternarylogic_epi32(p01, p2, _mm512_set1_epi8(0x0f), 0xE4),
+                                _mm512_set1_epi8(0x3f));
+    }
     if (qtype == QUANT_Q4_0) {
         __m512i v = _mm512_loadu_si512(blk + 32 + 64 * (g % 4));
         return _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low);
@@ -535,32 +632,52 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         }
     const int64_t nb = K / QB;
     const float off = code_offset(qtype);
+    const int halves = sums_per_block(qtype), span = 8 / halves;  /* span: code vectors per integer sum */
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *blk[NZ];
-        __m512i sum[MR_WIDE * NZ];
 #pragma GCC unroll 4
         for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j);
         if (stream) prefetch_ahead(qtype, blk, nz, j);
         else if (ahead.at != NULL)
             for (int64_t b = 0; b < ahead.bytes_per_block; b += 64)
                 _mm_prefetch((const char *)ahead.at + j * ahead.bytes_per_block + b, _MM_HINT_T2);
-#pragma GCC unroll 8
-        for (int m = 0; m < mr; m++) {
-            /* the 32-block formats start at -o sum(q), so the integer sum is sum(w q) / d already */
-            const int32_t start = qtype == QUANT_Q4_K ? 0 : -(int32_t)off * x->s[(m0 + m) * nb + j];
-#pragma GCC unroll 4
-            for (int z = 0; z < nz; z++) sum[m * NZ + z] = _mm512_set1_epi32(start);
-        }
-#pragma GCC unroll 8
-        for (int g = 0; g < 8; g++) {
-            __m512i c[NZ];
-#pragma GCC unroll 4
-            for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], (int)(j % 8), g);
+        __m512i sum[MR_WIDE * NZ];  /* the block's integer sum: Q6_K's two halves, each times its scale */
+        for (int hf = 0; hf < halves; hf++) {
+            __m512i half[MR_WIDE * NZ];
 #pragma GCC unroll 8
             for (int m = 0; m < mr; m++) {
-                const __m512i xq = _mm512_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
+                /* the formats without mins start at -o sum(q), so the integer sum is sum(w q) / a already */
+                const int64_t xb = (m0 + m) * nb + j;
+                const int32_t start = qtype == QUANT_Q4_K ? 0 : -(int32_t)off * (halves == 2 ? x->s16[2 * xb + hf]
+                                                                                              : x->s[xb]);
 #pragma GCC unroll 4
-                for (int z = 0; z < nz; z++) sum[m * NZ + z] = _mm512_dpbusd_epi32(sum[m * NZ + z], c[z], xq);
+                for (int z = 0; z < nz; z++) half[m * NZ + z] = _mm512_set1_epi32(start);
+            }
+#pragma GCC unroll 8
+            for (int g = hf * span; g < (hf + 1) * span; g++) {
+                __m512i c[NZ];
+#pragma GCC unroll 4
+                for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], (int)(j % 8), g);
+#pragma GCC unroll 8
+                for (int m = 0; m < mr; m++) {
+                    const __m512i xq = _mm512_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
+#pragma GCC unroll 4
+                    for (int z = 0; z < nz; z++) half[m * NZ + z] = _mm512_dpbusd_epi32(half[m * NZ + z], c[z], xq);
+                }
+            }
+            if (halves == 1) {
+                for (int i = 0; i < MR_WIDE * NZ; i++) sum[i] = half[i];
+                continue;
+            }
+#pragma GCC unroll 4
+            for (int z = 0; z < nz; z++) {  /* Q6_K: each half times its sub-block's int8 scale (Numerics) */
+                const __m512i sc = _mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(blk[z] + 32 + 16 * (2 * (j % 8) + hf))));
+#pragma GCC unroll 8
+                for (int m = 0; m < mr; m++) {
+                    const __m512i scaled = _mm512_mullo_epi32(half[m * NZ + z], sc);
+                    sum[m * NZ + z] = hf == 0 ? scaled : _mm512_add_epi32(sum[m * NZ + z], scaled);
+                }
             }
         }
         __m512 a[NZ], b[NZ];
@@ -615,6 +732,7 @@ QTILE_FN(tile_q8_0, QUANT_Q8_0)
 QTILE_FN(tile_q4_0, QUANT_Q4_0)
 QTILE_FN(tile_q4_k, QUANT_Q4_K)
 QTILE_FN(tile_q5_0, QUANT_Q5_0)
+QTILE_FN(tile_q6_k, QUANT_Q6_K)
 
 /* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but Q4_K (whose larger per-block epilogue
  * gains nothing from it). Fewer code unpacks and x broadcasts per vpdpbusd: on an AMX Xeon a batch of 16
@@ -660,6 +778,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
         if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
         else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
         else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
+        else if (qtype == QUANT_Q6_K) tile_q6_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
         else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, kab);
     }
 }
@@ -683,7 +802,7 @@ static int single_stream_rows = 0;
 void gemm_quant_set_single_stream(int max_rows) { single_stream_rows = max_rows; }
 
 static int check_shape(int qtype, int64_t N, int64_t K) {
-    return qtype >= 0 && qtype <= 3 && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
+    return qtype >= 0 && qtype <= QUANT_Q6_K && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
 }
 
 /* A task's rows of y (rows ldy apart, from column col0, width wide) in y's dtype, from tmp's fp32 (bf16 y)
@@ -706,9 +825,9 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
                int64_t K, int is_bf16, int num_threads) {
     if (!check_shape(qtype, N, K) || M <= 0) return -2;
     QuantRows r = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * K / QB)),
-                   malloc(sizeof(int32_t) * (size_t)(M * K / QB)), K};
-    if (r.q == NULL || r.d == NULL || r.s == NULL) {
-        free(r.q), free(r.d), free(r.s);
+                   malloc(sizeof(int32_t) * (size_t)(M * K / QB)), malloc(sizeof(int32_t) * (size_t)(M * K / 16)), K};
+    if (r.q == NULL || r.d == NULL || r.s == NULL || r.s16 == NULL) {
+        free(r.q), free(r.d), free(r.s), free(r.s16);
         return -1;
     }
     /* a group: the panels of one task (one in single-stream mode) */
@@ -739,7 +858,7 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
         }
         free(scales);
     }
-    free(r.q), free(r.d), free(r.s);
+    free(r.q), free(r.d), free(r.s), free(r.s16);
     return 0;
 }
 
@@ -747,11 +866,12 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
  * time: src[from + u unit ..] of lane l goes to dst[to + (16 u + l) unit ..]. */
 typedef struct { int from, to, bytes, unit; } Piece;
 
-static const Piece PIECES[4][4] = {
+static const Piece PIECES[5][4] = {
     {{0, 0, 2, 2}, {2, 32, 32, 4}},                                    /* Q8_0: d | codes */
     {{0, 0, 2, 2}, {2, 32, 16, 4}},                                    /* Q4_0: d | qs */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
     {{0, 0, 2, 2}, {6, 96, 16, 4}},                                    /* Q5_0: d | qs (hb: below) */
+    {{208, 0, 2, 2}, {192, 32, 16, 1}},                                /* Q6_K: d | scales (codes: below) */
 };
 
 /* Q5_0's qh (bit k: the fifth bit of K k) of row lane -> hb byte t: bit g = the fifth bit of K 4 g + t. */
@@ -765,6 +885,22 @@ static void pack_q5_0_high_bits(const uint8_t *src, int lane, uint8_t *dst) {
     }
 }
 
+/* Q6_K's 256 codes of row lane (GGUF: ql[128] | qh[64] | scales[16] | d; in each half n of 128 weights,
+ * K 32 q + l (quarter q, l < 32) has the low 4 bits in nibble q / 2 of ql[64 n + 32 (q % 2) + l] and the
+ * top 2 at bit 2 q of qh[32 n + l]) -> the packed vectors (into a zeroed dst). */
+static void pack_q6_k_codes(const uint8_t *src, int lane, uint8_t *dst) {
+    for (int k = 0; k < 256; k++) {
+        const int n = k / 128, q = k % 128 / 32, l = k % 32;
+        const int code = ((src[64 * n + 32 * (q % 2) + l] >> (4 * (q / 2))) & 0xf) |
+                         (((src[128 + 32 * n + l] >> (2 * q)) & 3) << 4);
+        const int c = k / 32, h = k % 32 / 16, r = k % 16 / 4, t = k % 4;
+        uint8_t *v = dst + Q6_CODES + Q6_BLOCK * c + 192 * h + 4 * lane + t;
+        if (r < 3) v[64 * r] |= (uint8_t)code;
+        else
+            for (int i = 0; i < 3; i++) v[64 * i] |= (uint8_t)(((code >> (2 * i)) & 3) << 6);
+    }
+}
+
 /* GGUF blocks [N, K / block, block bytes] -> the packed layout (above). Returns 0, or -2 on a bad shape. */
 int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, int num_threads) {
     if (!check_shape(qtype, N, K)) return -2;
@@ -773,6 +909,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
     for (int64_t p = 0; p < N / NR; p++)
         for (int64_t j = 0; j < nb; j++) {
             uint8_t *dst = (uint8_t *)out + (p * nb + j) * PANEL_BYTES[qtype];
+            if (qtype == QUANT_Q6_K) memset(dst, 0, (size_t)PANEL_BYTES[qtype]);  /* pack_q6_k_codes ORs bits in */
             for (int l = 0; l < NR; l++) {
                 const uint8_t *src = (const uint8_t *)blocks + ((p * NR + l) * nb + j) * bb;
                 for (int i = 0; i < 4 && PIECES[qtype][i].bytes > 0; i++) {
@@ -781,6 +918,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
                         memcpy(dst + pc.to + (NR * u + l) * pc.unit, src + pc.from + u * pc.unit, (size_t)pc.unit);
                 }
                 if (qtype == QUANT_Q5_0) pack_q5_0_high_bits(src, l, dst);
+                if (qtype == QUANT_Q6_K) pack_q6_k_codes(src, l, dst);
             }
             if (qtype == QUANT_Q8_0) /* int8 -> code + 128: the kernel's unsigned operand */
                 for (int i = 32; i < PANEL_BYTES[qtype]; i++) dst[i] ^= 0x80;
@@ -800,9 +938,9 @@ int quant_rows(const void *wq, int qtype, const int64_t *ids, int64_t n, int64_t
         const int lane = (int)(ids[i] % NR);
         for (int64_t j = 0; j < K / QB; j++) {
             const uint8_t *blk = panel_block(qtype, (const uint8_t *)wq, K, panel, j);
-            float a, b;
-            block_ab(qtype, blk, lane, (int)j, &a, &b);
+            float a = 0.0f, b = 0.0f;
             for (int k = 0; k < QB; k++) {
+                if (k % 16 == 0) block_ab(qtype, blk, lane, (int)j, k, &a, &b);  /* Q6_K: a scale per 16 */
                 const float v = a * (float)code_at(qtype, blk, lane, (int)j, k) - b;
                 const int64_t at = i * K + j * QB + k;
                 if (is_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
