@@ -16,8 +16,8 @@
  *     Q5_0: c = the 5-bit code 0..31 (4 low bits as Q4_0's, the fifth from qh), a = d, o = 16;
  *     Q4_K: c = the 4-bit code, per 32-weight sub-block a = d * scale, and w = a c - dmin * min, so
  *           sum(w x) = dx * (a sum(c q) - dmin * min * sum(q));
- *     Q6_K: c = the 6-bit code 0..63, per 16-weight sub-block a = d * scale (int8), o = 32: the sums of
- *           the two halves of a 32-block are scaled apart.
+ *     Q6_K: c = the 6-bit code 0..63, per 16-weight sub-block a = d * scale (int8), o = 32: each half
+ *           of a 32-block has its own integer sum, times its scale (Numerics), and a = d.
  *
  * Layout (kernels/quant_linear.py packs it once at load from GGUF's blocks; the same bytes, reordered): the
  * weight is cut into panels of 16 output rows, and each panel into its blocks along K (32 weights, Q4_K:
@@ -735,14 +735,16 @@ QTILE_FN(tile_q5_0, QUANT_Q5_0)
 QTILE_FN(tile_q6_k, QUANT_Q6_K)
 
 /* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but Q4_K (whose larger per-block epilogue
- * gains nothing from it). Fewer code unpacks and x broadcasts per vpdpbusd: on an AMX Xeon a batch of 16
+ * gains nothing from it) and Q6_K (whose two half sums would need twice the registers). Fewer code unpacks and x broadcasts per vpdpbusd: on an AMX Xeon a batch of 16
  * of a 1B model ran 1.09x (Q4_0 and Q8_0, scripts/quant_modes_ab.py); kernels/quant_linear.py times it
  * against MR-row tiles at load and keeps the faster (0: off). The bits do not depend on it. */
 static int wide_tiles = 0;
 
 void gemm_quant_set_wide_tiles(int on) { wide_tiles = on; }
 
-static inline int tile_height(int qtype) { return wide_tiles && qtype != QUANT_Q4_K ? MR_WIDE : MR; }
+static inline int tile_height(int qtype) {
+    return wide_tiles && qtype != QUANT_Q4_K && qtype != QUANT_Q6_K ? MR_WIDE : MR;
+}
 
 /* The next task's panels come into L2 while this one computes from L2, a slice per micro-tile after its
  * first: then no micro-tile waits on memory alone, and a batch runs at the larger of its compute and memory
