@@ -10,7 +10,7 @@ NAME='-DX=1 ...' this tree's built with those flags (retuning a #define); each c
 library's flags. Prints a table and writes JSON.
 
     .venv/bin/python scripts/quant_builds_microbench.py [--baseline HEAD~1] [--n 1536 --k 1536] [--json PATH]
-        [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,q5_0] [--variant NAME=FLAGS ...]
+        [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,q5_0,q6_k] [--variant NAME=FLAGS ...] [--single-stream]
 """
 
 from __future__ import annotations
@@ -116,6 +116,8 @@ def main() -> int:
     parser.add_argument("--formats", default=",".join(QTYPES))
     parser.add_argument("--variant", action="append", default=[], help="NAME=FLAGS: this tree built with FLAGS")
     parser.add_argument("--no-plain", action="store_true", help="leave the plain C build out")
+    parser.add_argument("--single-stream", action="store_true",
+                        help="every build in single-stream mode (gemm_quant_set_single_stream) at 1 and 2 rows")
     parser.add_argument("--json", default="/tmp/quant_kernel.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -124,8 +126,12 @@ def main() -> int:
         libs = builds(Path(tmp), args.baseline, args.variant)
         if args.no_plain:
             del libs["plain C"]
+        for lib in libs.values():
+            if args.single_stream and hasattr(lib, "gemm_quant_set_single_stream"):
+                lib.gemm_quant_set_single_stream(2)
         results = run(libs, args.n, args.k, rows, args.rounds, args.formats.split(","))
-    write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "rounds": args.rounds, "results": results})
+    write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "rounds": args.rounds,
+                           "single_stream": args.single_stream, "results": results})
     print(f"wrote {args.json}")
     return 0
 

@@ -603,6 +603,15 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
 #ifndef PREFETCH_J
 #define PREFETCH_J 4
 #endif
+
+/* A tile of at most this many integer sums (rows x panels) keeps each in two chains, even and odd code
+ * vectors, added at the end (integers: the same bits): a one-row, one-panel tile (single-stream mode at
+ * one row) otherwise waits on one vpdpbusd chain. Zen 5, 1 thread, one row, 2048 x 2048 out of cache
+ * (scripts/quant_builds_microbench.py --single-stream --variant): Q6_K 1.23x, Q4_K 1.03x, Q8_0 / Q4_0
+ * unchanged; at two rows (two chains already) no gain. */
+#ifndef SPLIT_SUMS
+#define SPLIT_SUMS 1
+#endif
 INLINE void prefetch_ahead(int qtype, const uint8_t *const *blk, int nz, int64_t j) {
     const int64_t step = PANEL_BYTES[qtype] * QB / BLOCK_K[qtype];  /* a 32-block's bytes */
     const int64_t at = (j % (BLOCK_K[qtype] / QB)) * step + PREFETCH_J * step;
@@ -653,6 +662,10 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 4
                 for (int z = 0; z < nz; z++) half[m * NZ + z] = _mm512_set1_epi32(start);
             }
+            const int split = mr * nz <= SPLIT_SUMS;  /* a literal per copy, as mr and nz */
+            __m512i odd[MR_WIDE * NZ];  /* split: the odd code vectors' sums, added to the even ones' after */
+            if (split)
+                for (int i = 0; i < mr * NZ; i++) odd[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int g = hf * span; g < (hf + 1) * span; g++) {
                 __m512i c[NZ];
@@ -662,9 +675,14 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                 for (int m = 0; m < mr; m++) {
                     const __m512i xq = _mm512_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
 #pragma GCC unroll 4
-                    for (int z = 0; z < nz; z++) half[m * NZ + z] = _mm512_dpbusd_epi32(half[m * NZ + z], c[z], xq);
+                    for (int z = 0; z < nz; z++) {
+                        __m512i *acc_g = split && g % 2 ? &odd[m * NZ + z] : &half[m * NZ + z];
+                        *acc_g = _mm512_dpbusd_epi32(*acc_g, c[z], xq);
+                    }
                 }
             }
+            if (split)
+                for (int i = 0; i < mr * NZ; i++) half[i] = _mm512_add_epi32(half[i], odd[i]);
             if (halves == 1) {
                 for (int i = 0; i < MR_WIDE * NZ; i++) sum[i] = half[i];
                 continue;
