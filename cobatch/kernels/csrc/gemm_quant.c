@@ -612,9 +612,24 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
 #ifndef SPLIT_SUMS
 #define SPLIT_SUMS 1
 #endif
-INLINE void prefetch_ahead(int qtype, const uint8_t *const *blk, int nz, int64_t j) {
+/* Single-stream mode's one stream per thread is prefetched this many bytes ahead, past what the hardware
+ * prefetcher keeps in flight: Zen 5, 1 thread, 2048 x 2048 out of cache, against no software prefetch
+ * (scripts/quant_builds_microbench.py --single-stream --baseline): one / two rows Q4_K 1.39x / 1.47x,
+ * Q6_K 1.32x / 1.33x, Q4_0 1.24x / 1.34x, Q5_0 1.24x / 1.37x (then at 35-41 GB/s, the core's read
+ * bandwidth), Q8_0 0.97x / 1.10x; 9 KB and 16 KB ahead did no better. */
+#ifndef SINGLE_PREFETCH_BYTES
+#define SINGLE_PREFETCH_BYTES 12288
+#endif
+
+/* How far ahead a task's first micro-tile prefetches, in 32-blocks (0: not at all). */
+static int prefetch_blocks(int qtype, int single) {
     const int64_t step = PANEL_BYTES[qtype] * QB / BLOCK_K[qtype];  /* a 32-block's bytes */
-    const int64_t at = (j % (BLOCK_K[qtype] / QB)) * step + PREFETCH_J * step;
+    return single ? (int)(SINGLE_PREFETCH_BYTES / step) : PREFETCH_J;
+}
+
+INLINE void prefetch_ahead(int qtype, const uint8_t *const *blk, int nz, int64_t j, int distance) {
+    const int64_t step = PANEL_BYTES[qtype] * QB / BLOCK_K[qtype];  /* a 32-block's bytes */
+    const int64_t at = (j % (BLOCK_K[qtype] / QB)) * step + distance * step;
     for (int z = 0; z < nz; z++)
         for (int64_t b = 0; b < step; b += 64) _mm_prefetch((const char *)blk[z] + at + b, _MM_HINT_T0);
 }
@@ -626,8 +641,8 @@ typedef struct {
     int64_t bytes_per_block;
 } Ahead;
 
-/* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream`: prefetch
- * the panels ahead (prefetch_ahead); else `ahead`'s bytes into L2. Q4_K: (a, b) through `kab`. Up to MR
+/* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream` > 0: prefetch
+ * the panels that many 32-blocks ahead (prefetch_ahead); else `ahead`'s bytes into L2. Q4_K: (a, b) through `kab`. Up to MR
  * rows the fp32 results stay in registers; a wide tile (up to MR_WIDE rows) keeps them in y's rows (L1)
  * and its registers for the MR_WIDE NZ integer sums: the same arithmetic, in the same order. */
 INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
@@ -646,7 +661,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         const uint8_t *blk[NZ];
 #pragma GCC unroll 4
         for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j);
-        if (stream) prefetch_ahead(qtype, blk, nz, j);
+        if (stream) prefetch_ahead(qtype, blk, nz, j, stream);
         else if (ahead.at != NULL)
             for (int64_t b = 0; b < ahead.bytes_per_block; b += 64)
                 _mm_prefetch((const char *)ahead.at + j * ahead.bytes_per_block + b, _MM_HINT_T2);
@@ -791,7 +806,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
     for (int64_t i = 0; i < num_tiles; i++) {
         const int64_t m = i * height;
         const int mr = (int)(rows - m < height ? rows - m : height);
-        const int stream = i == 0 && prefetch;  /* the task's first micro-tile reads its panels from memory */
+        const int stream = i == 0 ? prefetch : 0;  /* the task's first micro-tile reads its panels from memory */
         const Ahead ahead = prefetch ? ahead_slice(qtype, next, next_bytes, num_tiles, i, K) : (Ahead){NULL, 0};
         float *o = out + m * ldo;
         const ScaleCache none = {NULL, 0}, kab = {scales, i == 0};
@@ -808,13 +823,17 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 
 #if !QUANT_VNNI
 void gemm_quant_set_wide_tiles(int on) { (void)on; }  /* the VNNI path's mode; the others have one tile */
+
+/* The AVX2 path prefetches PREFETCH_J2 ahead outside single-stream mode (prefetch != 0), plain C never. */
+static int prefetch_blocks(int qtype, int single) { (void)qtype; return !single; }
 #endif
 
 int gemm_quant_path(void) { return QUANT_PATH; }
 
-/* Single-stream mode: calls of at most this many rows take one panel per task and no software prefetch, so
- * each thread reads one sequential stream, which some CPUs' hardware prefetchers follow faster than NZ
- * streams kept in flight by hand (a Zen 4 at M = 1: 1.2-1.45x) and others slower; kernels/quant_linear.py
+/* Single-stream mode: calls of at most this many rows take one panel per task, so each thread reads one
+ * sequential stream (the VNNI path prefetching it SINGLE_PREFETCH_BYTES ahead, the others not at all),
+ * which some CPUs follow faster than NZ streams kept in flight by hand (a Zen 4 at M = 1, before that
+ * prefetch: 1.2-1.45x) and others slower; kernels/quant_linear.py
  * times both on the model's own weights at load and sets the faster (0: off). The result's bits do not
  * depend on it. */
 static int single_stream_rows = 0;
@@ -873,7 +892,7 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
             const int is_last_chunk = m0 + MC >= M;
             const uint8_t *next = is_last_chunk && nz_next ? panel_block(qtype, wq, K, (g + 1) * gz, 0) : NULL;
             tile_rows(qtype, &r, m0, rows, (const uint8_t *)wq, K, g * gz, nz, out, is_bf16 ? nz * NR : N, next,
-                      nz_next * (K / BLOCK_K[qtype]) * PANEL_BYTES[qtype], !single, scales);
+                      nz_next * (K / BLOCK_K[qtype]) * PANEL_BYTES[qtype], prefetch_blocks(qtype, single), scales);
             if (is_bf16 || bias != NULL) finish_rows(tmp, rows, nz * NR, bias, y0, N, g * gz * NR, is_bf16);
         }
         free(scales);
