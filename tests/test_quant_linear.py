@@ -84,7 +84,7 @@ def test_thread_count_changes_no_bits(fmt: str, threads: int) -> None:
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_single_stream_mode_changes_no_bits(fmt: str) -> None:
-    """Single-stream mode (one panel per task, no software prefetch: a speed choice tune_single_stream
+    """Single-stream mode (one panel per task, its own prefetch distance: a speed choice tune_single_stream
     makes per CPU) gives the same bits at every row count it serves, on 1 and 2 threads, with N ending on
     a partial group of panels; tuning on these weights changes none either."""
     kernel = native_quant_gemm()

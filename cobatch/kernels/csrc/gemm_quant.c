@@ -46,8 +46,8 @@
  * panels keeps 2 MR NZ vectors (the block's integer sums and the fp32 results) in registers. A task's first
  * micro-tile reads its panels from memory, the others from L2, and those bring the next task's panels
  * into L2 as they go (ahead_slice); Q4_K's scales, unpacked by the first, are kept for the others
- * (ScaleCache). Calls of one or two rows can instead take one panel per task with no software prefetch
- * (single-stream mode), and the VNNI path micro-tiles of 8 rows with the fp32 results in L1 (wide tiles);
+ * (ScaleCache). Calls of one or two rows can instead take one panel per task, one stream per thread
+ * (single-stream mode; the VNNI path prefetches it further ahead), and the VNNI path micro-tiles of 8 rows with the fp32 results in L1 (wide tiles);
  * both are chosen per CPU at load (gemm_quant_set_single_stream, gemm_quant_set_wide_tiles).
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
