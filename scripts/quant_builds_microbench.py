@@ -27,7 +27,7 @@ import torch
 
 from cobatch.bench.common import write_json
 from cobatch.kernels.build import COMPILE_FLAGS
-from cobatch.kernels.quant_linear import FORMATS
+from cobatch.kernels.quant_linear import FORMATS, SINGLE_STREAM_ROWS
 from cobatch.models.quantization import quantize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +117,7 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[], help="NAME=FLAGS: this tree built with FLAGS")
     parser.add_argument("--no-plain", action="store_true", help="leave the plain C build out")
     parser.add_argument("--single-stream", action="store_true",
-                        help="every build in single-stream mode (gemm_quant_set_single_stream) at 1 and 2 rows")
+                        help="every build in single-stream mode (gemm_quant_set_single_stream), as the runner sets it")
     parser.add_argument("--json", default="/tmp/quant_kernel.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -128,7 +128,7 @@ def main() -> int:
             del libs["plain C"]
         for lib in libs.values():
             if args.single_stream and hasattr(lib, "gemm_quant_set_single_stream"):
-                lib.gemm_quant_set_single_stream(2)
+                lib.gemm_quant_set_single_stream(SINGLE_STREAM_ROWS)
         results = run(libs, args.n, args.k, rows, args.rounds, args.formats.split(","))
     write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "rounds": args.rounds,
                            "single_stream": args.single_stream, "results": results})

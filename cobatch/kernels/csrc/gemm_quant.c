@@ -47,8 +47,9 @@
  * micro-tile reads its panels from memory, the others from L2, and those bring the next task's panels
  * into L2 as they go (ahead_slice); Q4_K's scales, unpacked by the first, are kept for the others
  * (ScaleCache). Calls of one or two rows can instead take one panel per task, one stream per thread
- * (single-stream mode; the VNNI path prefetches it further ahead), and the VNNI path micro-tiles of 8 rows with the fp32 results in L1 (wide tiles);
- * both are chosen per CPU at load (gemm_quant_set_single_stream, gemm_quant_set_wide_tiles).
+ * (single-stream mode; the VNNI path prefetches it further ahead), and the VNNI path micro-tiles of 8
+ * rows with the fp32 results in L1 (wide tiles); both are chosen per CPU at load
+ * (gemm_quant_set_single_stream, gemm_quant_set_wide_tiles).
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
  * row's result does not depend on M, the tiling or the thread count. Q6_K's two half sums are multiplied by
@@ -104,6 +105,11 @@ static const int64_t BLOCK_K[5] = {32, 32, 256, 32, 256};
 
 /* Integer sums per 32-block: 2 for Q6_K (one per 16-weight sub-block, each with its own scale), else 1. */
 static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K ? 2 : 1; }
+
+/* Q6_K: the 16 lanes' int8 scales of half hf of 32-block j, in the panel block at blk. */
+static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
+    return blk + 32 + 16 * (2 * (j % 8) + hf);
+}
 
 /* x quantized: codes [M, K] int8, per 32-block scale [M, K / 32] and sum of codes [M, K / 32], and the sum
  * of each 16-block's codes [M, K / 16] (Q6_K's sub-blocks). */
@@ -210,7 +216,7 @@ static inline float code_offset(int qtype) {
 /* The weight w = a c - b at K index k (0..31) of 32-block j (of the panel block at blk) for row lane. */
 static void block_ab(int qtype, const uint8_t *blk, int lane, int j, int k, float *a, float *b) {
     if (qtype == QUANT_Q6_K) {
-        const int8_t sc = (int8_t)blk[32 + 16 * (2 * (j % 8) + k / 16) + lane];
+        const int8_t sc = (int8_t)q6_scales(blk, j, k / 16)[lane];
         *a = f16_to_f32(load_u16(blk + 2 * lane)) * (float)sc;
         *b = *a * 32.0f;
         return;
@@ -327,11 +333,12 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
             LaneFloats a, b;
             LaneInts sc[2];  /* Q6_K: each half's int8 scale, applied to its integer sum; a is d alone */
             for (int lane = 0; lane < NR; lane++) {
-                block_ab(qtype, blk, lane, (int)j, 0, &ab[0][lane], &ab[1][lane]);
-                if (halves == 2) {
-                    ab[0][lane] = f16_to_f32(load_u16(blk + 2 * lane));
-                    for (int hf = 0; hf < 2; hf++) sc[hf][lane] = (int8_t)blk[32 + 16 * (2 * (j % 8) + hf) + lane];
+                if (halves == 1) {
+                    block_ab(qtype, blk, lane, (int)j, 0, &ab[0][lane], &ab[1][lane]);
+                    continue;
                 }
+                ab[0][lane] = ab[1][lane] = f16_to_f32(load_u16(blk + 2 * lane));
+                for (int hf = 0; hf < 2; hf++) sc[hf][lane] = (int8_t)q6_scales(blk, j, hf)[lane];
             }
             memcpy(&a, ab[0], sizeof a), memcpy(&b, ab[1], sizeof b);
             for (int64_t m = 0; m < rows; m++) {
@@ -467,7 +474,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             }
             for (int h = 0; h < 2; h++) {
                 const __m256i sc = halves == 1 ? _mm256_setzero_si256() : _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                    (const __m128i *)(blk + 32 + 16 * (2 * (j % 8) + hf) + 8 * h)));
+                    (const __m128i *)(q6_scales(blk, j, hf) + 8 * h)));
 #pragma GCC unroll 4
                 for (int m = 0; m < mr; m++) {
                     if (halves == 1) sum[m][h] = half[m][h];
@@ -641,10 +648,11 @@ typedef struct {
     int64_t bytes_per_block;
 } Ahead;
 
-/* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream` > 0: prefetch
- * the panels that many 32-blocks ahead (prefetch_ahead); else `ahead`'s bytes into L2. Q4_K: (a, b) through `kab`. Up to MR
- * rows the fp32 results stay in registers; a wide tile (up to MR_WIDE rows) keeps them in y's rows (L1)
- * and its registers for the MR_WIDE NZ integer sums: the same arithmetic, in the same order. */
+/* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream` > 0:
+ * prefetch the panels that many 32-blocks ahead (prefetch_ahead); else `ahead`'s bytes into L2. Q4_K:
+ * (a, b) through `kab`. Up to MR rows the fp32 results stay in registers; a wide tile (up to MR_WIDE
+ * rows) keeps them in y's rows (L1) and its registers for the MR_WIDE NZ integer sums: the same
+ * arithmetic, in the same order. */
 INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
                  int nz, float *out, int64_t ldo, int stream, Ahead ahead, ScaleCache kab) {
     const int wide = mr > MR;  /* a literal in each copy: the compiler keeps one of the two ways */
@@ -705,7 +713,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 4
             for (int z = 0; z < nz; z++) {  /* Q6_K: each half times its sub-block's int8 scale (Numerics) */
                 const __m512i sc = _mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)(blk[z] + 32 + 16 * (2 * (j % 8) + hf))));
+                    _mm_loadu_si128((const __m128i *)q6_scales(blk[z], j, hf)));
 #pragma GCC unroll 8
                 for (int m = 0; m < mr; m++) {
                     const __m512i scaled = _mm512_mullo_epi32(half[m * NZ + z], sc);
@@ -768,9 +776,10 @@ QTILE_FN(tile_q5_0, QUANT_Q5_0)
 QTILE_FN(tile_q6_k, QUANT_Q6_K)
 
 /* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but Q4_K (whose larger per-block epilogue
- * gains nothing from it) and Q6_K (whose two half sums would need twice the registers). Fewer code unpacks and x broadcasts per vpdpbusd: on an AMX Xeon a batch of 16
- * of a 1B model ran 1.09x (Q4_0 and Q8_0, scripts/quant_modes_ab.py); kernels/quant_linear.py times it
- * against MR-row tiles at load and keeps the faster (0: off). The bits do not depend on it. */
+ * gains nothing from it) and Q6_K (whose two half sums would need twice the registers). Fewer code
+ * unpacks and x broadcasts per vpdpbusd: on an AMX Xeon a batch of 16 of a 1B model ran 1.09x (Q4_0 and
+ * Q8_0, scripts/quant_modes_ab.py); kernels/quant_linear.py times it against MR-row tiles at load and
+ * keeps the faster (0: off). The bits do not depend on it. */
 static int wide_tiles = 0;
 
 void gemm_quant_set_wide_tiles(int on) { wide_tiles = on; }
@@ -833,8 +842,8 @@ int gemm_quant_path(void) { return QUANT_PATH; }
 /* Single-stream mode: calls of at most this many rows take one panel per task, so each thread reads one
  * sequential stream (the VNNI path prefetching it SINGLE_PREFETCH_BYTES ahead, the others not at all),
  * which some CPUs follow faster than NZ streams kept in flight by hand (a Zen 4 at M = 1, before that
- * prefetch: 1.2-1.45x) and others slower; kernels/quant_linear.py
- * times both on the model's own weights at load and sets the faster (0: off). The result's bits do not
+ * prefetch: 1.2-1.45x) and others slower; kernels/quant_linear.py times both on the model's own weights
+ * at load and sets the faster (0: off). The result's bits do not
  * depend on it. */
 static int single_stream_rows = 0;
 
