@@ -1,13 +1,14 @@
 """gemm_quant.c's speed modes off and on, offline, alternating in one process: tok/s.
 
-    .venv/bin/python scripts/quant_modes_ab.py MODEL [--mode single-stream|wide-tiles] [--quantization q4_0]
-        [--batch N] [--rounds 4] [--tokens 48]
+    .venv/bin/python scripts/quant_modes_ab.py MODEL [--mode single-stream|single-prefetch|wide-tiles]
+        [--quantization q4_0] [--batch N] [--rounds 4] [--tokens 48]
 
 MODEL: a quantized GGUF file, or a dense folder / file with --quantization (quantized at load). The
 runner has already chosen each mode at load (kernels/quant_linear.py, tune_single_stream and
-tune_wide_tiles: logged at INFO); this times `--batch` requests (default: 1 for single-stream mode, 16 for
-wide tiles; 32 prompt tokens each, greedy, ignore EOS) with the mode off, then on, per round, and prints
-the best of the rounds of each and their ratio (docs/BENCHMARKS.md, Quantized weights). One thread.
+tune_wide_tiles: logged at INFO); this times `--batch` requests (default: 1 for single-stream mode and
+its prefetch, 16 for wide tiles; 32 prompt tokens each, greedy, ignore EOS) with the mode off, then on,
+per round, and prints the best of the rounds of each and their ratio (docs/BENCHMARKS.md, Quantized
+weights). single-prefetch: single-stream mode on, its software prefetch off, then on. One thread.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from cobatch.kernels.quant_linear import SINGLE_STREAM_ROWS, WIDE_TILE_ROWS, nat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
-    parser.add_argument("--mode", choices=["single-stream", "wide-tiles"], default="single-stream")
+    parser.add_argument("--mode", choices=["single-stream", "single-prefetch", "wide-tiles"],
+                        default="single-stream")
     parser.add_argument("--quantization", choices=["q8_0", "q4_0"])
     parser.add_argument("--batch", type=int)
     parser.add_argument("--rounds", type=int, default=4)
@@ -35,9 +37,12 @@ def main() -> None:
     kernel = native_quant_gemm()
     if kernel is None:
         raise SystemExit("the quantized kernel cannot be built here")
-    single = args.mode == "single-stream"
-    set_mode, on = (kernel.set_single_stream, SINGLE_STREAM_ROWS) if single else (kernel.set_wide_tiles, 1)
-    batch = args.batch or (1 if single else WIDE_TILE_ROWS)
+    set_mode, on = {"single-stream": (kernel.set_single_stream, SINGLE_STREAM_ROWS),
+                    "single-prefetch": (kernel.set_single_prefetch, 1),
+                    "wide-tiles": (kernel.set_wide_tiles, 1)}[args.mode]
+    if args.mode == "single-prefetch":
+        kernel.set_single_stream(SINGLE_STREAM_ROWS)
+    batch = args.batch or (WIDE_TILE_ROWS if args.mode == "wide-tiles" else 1)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     calls = itertools.count()
 

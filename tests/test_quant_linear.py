@@ -84,9 +84,9 @@ def test_thread_count_changes_no_bits(fmt: str, threads: int) -> None:
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_single_stream_mode_changes_no_bits(fmt: str) -> None:
-    """Single-stream mode (one panel per task, its own prefetch distance: a speed choice tune_single_stream
-    makes per CPU) gives the same bits at every row count it serves, on 1 and 2 threads, with N ending on
-    a partial group of panels; tuning on these weights changes none either."""
+    """Single-stream mode (one panel per task, with or without its software prefetch: speed choices
+    tune_single_stream makes per CPU) gives the same bits at every row count it serves, on 1 and 2 threads,
+    with N ending on a partial group of panels; tuning on these weights changes none either."""
     kernel = native_quant_gemm()
     packed, dense = _weight(fmt, 80, 512)
     x = torch.randn(SINGLE_STREAM_ROWS, 512)
@@ -97,12 +97,16 @@ def test_single_stream_mode_changes_no_bits(fmt: str) -> None:
             kernel.set_single_stream(0)
             want = [kernel(x[:m], packed) for m in range(1, SINGLE_STREAM_ROWS + 1)]
             kernel.set_single_stream(SINGLE_STREAM_ROWS)
-            assert all(torch.equal(kernel(x[:m], packed), want[m - 1]) for m in range(1, SINGLE_STREAM_ROWS + 1))
+            for prefetch in (0, 1):
+                kernel.set_single_prefetch(prefetch)
+                assert all(torch.equal(kernel(x[:m], packed), want[m - 1])
+                           for m in range(1, SINGLE_STREAM_ROWS + 1))
             assert isinstance(tune_single_stream([packed, packed], rounds=1), bool)
             assert torch.equal(kernel(x[:1], packed), want[0])
     finally:
         torch.set_num_threads(before)
         kernel.set_single_stream(0)
+        kernel.set_single_prefetch(1)
     _check(want[-1], x, dense)
 
 

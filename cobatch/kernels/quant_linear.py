@@ -31,6 +31,8 @@ PANEL_ROWS = 16  # output rows per packed panel (one AVX-512 vector of fp32 resu
 # The calls single-stream mode takes when it is chosen (gemm_quant.c): on a Zen 4 it was faster at 1 and 2
 # rows (1.2-1.45x at one) and slower from 4, where NZ panels per task give the tile more work per load.
 SINGLE_STREAM_ROWS = 2
+# gemm_quant_path()'s AVX-512 VNNI path: the one with a software prefetch to choose in single-stream mode.
+VNNI_PATH = 2
 # The batch wide-tile mode is timed at (gemm_quant.c, gemm_quant_set_wide_tiles): a batch of 16 decodes.
 WIDE_TILE_ROWS = 16
 
@@ -97,7 +99,9 @@ class QuantGemm:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn, self._rows, self._pack = lib.gemm_quant, lib.quant_rows, lib.quant_pack
         self.set_single_stream = lib.gemm_quant_set_single_stream  # (max_rows): gemm_quant.c says what
+        self.set_single_prefetch = lib.gemm_quant_set_single_prefetch  # (on): the same
         self.set_wide_tiles = lib.gemm_quant_set_wide_tiles  # (on): the same
+        self.path = lib.gemm_quant_path()  # VNNI_PATH, 1 AVX2, 0 plain C
 
     def pack(self, blocks: torch.Tensor) -> torch.Tensor:
         """GGUF blocks [N, nb, block_bytes] -> packed [N / 16, nb, 16 block_bytes] (pack_blocks)."""
@@ -166,15 +170,26 @@ def quantized_rows(ids: torch.Tensor, packed: torch.Tensor, dtype: torch.dtype) 
     return kernel.rows(ids, packed, dtype)
 
 
-def tune_single_stream(weights: Sequence[torch.Tensor], rounds: int = 3) -> bool:
+def tune_single_stream(weights: Sequence[torch.Tensor], rounds: int = 5) -> bool:
     """Turn gemm_quant's single-stream mode on where it is faster on these packed weights: one row (a
-    one-stream decode) through every matrix in turn, as a decode step streams them from memory. Which mode
-    a CPU's prefetchers prefer differs between CPUs; the results' bits do not. Returns whether it is on."""
+    one-stream decode) through every matrix in turn, as a decode step streams them from memory; on the VNNI
+    path with its software prefetch or with the hardware prefetcher alone. Which a CPU's prefetchers prefer
+    differs between CPUs; the results' bits do not. Returns whether the mode is on."""
     kernel = native_quant_gemm()
     if kernel is None or not weights:
         return False
-    return _keep_faster(kernel, kernel.set_single_stream, SINGLE_STREAM_ROWS, weights, 1, rounds,
-                        "single-stream mode", f"for up to {SINGLE_STREAM_ROWS} rows")
+
+    def mode(max_rows: int, prefetch: int) -> Callable[[], None]:
+        def apply() -> None:
+            kernel.set_single_stream(max_rows)
+            kernel.set_single_prefetch(prefetch)
+        return apply
+
+    modes = {"off": mode(0, 1), "on": mode(SINGLE_STREAM_ROWS, 1)}
+    if kernel.path == VNNI_PATH:
+        modes["on without software prefetch"] = mode(SINGLE_STREAM_ROWS, 0)
+    name = f"single-stream mode (up to {SINGLE_STREAM_ROWS} rows)"
+    return _keep_fastest(kernel, modes, weights, 1, rounds, name) != "off"
 
 
 def tune_wide_tiles(weights: Sequence[torch.Tensor], rounds: int = 3) -> bool:
@@ -183,26 +198,27 @@ def tune_wide_tiles(weights: Sequence[torch.Tensor], rounds: int = 3) -> bool:
     kernel = native_quant_gemm()
     if kernel is None or not weights:
         return False
-    return _keep_faster(kernel, kernel.set_wide_tiles, 1, weights, WIDE_TILE_ROWS, rounds, "wide tiles",
-                        f"(timed at {WIDE_TILE_ROWS} rows)")
+    modes = {"off": lambda: kernel.set_wide_tiles(0), "on": lambda: kernel.set_wide_tiles(1)}
+    name = f"wide tiles (at {WIDE_TILE_ROWS} rows)"
+    return _keep_fastest(kernel, modes, weights, WIDE_TILE_ROWS, rounds, name) == "on"
 
 
-def _keep_faster(kernel: QuantGemm, set_mode: Callable[[int], None], on: int, weights: Sequence[torch.Tensor],
-                 rows: int, rounds: int, name: str, detail: str) -> bool:
-    """Time `rows` rows through every weight in turn with the mode off and on (set_mode(0), set_mode(on)),
-    alternately, the best of `rounds` each (a noisy moment hits both); keep the faster, log it."""
+def _keep_fastest(kernel: QuantGemm, modes: dict[str, Callable[[], None]], weights: Sequence[torch.Tensor],
+                  rows: int, rounds: int, name: str) -> str:
+    """Time `rows` rows through every weight in turn in each mode (set by its callable), alternately, the best
+    of `rounds` each (a noisy moment hits them all); keep the fastest, log it, return its name."""
     # any values time alike; constants leave torch's global random state as the caller seeded it
     x = {k: torch.full((rows, k), 0.5) for k in {quantized_shape(w)[1] for w in weights}}
-    best = {0: math.inf, on: math.inf}
+    best = dict.fromkeys(modes, math.inf)
     for _ in range(rounds):
-        for mode in best:
-            set_mode(mode)
+        for label, set_mode in modes.items():
+            set_mode()
             start = time.perf_counter()
             for w in weights:
                 kernel(x[quantized_shape(w)[1]], w)
-            best[mode] = min(best[mode], time.perf_counter() - start)
+            best[label] = min(best[label], time.perf_counter() - start)
     chosen = min(best, key=best.__getitem__)
-    set_mode(chosen)
-    logger.info("quantized GEMM: %s %s %s (%.2f ms vs %.2f ms a pass)", name, "on" if chosen else "off", detail,
-                1e3 * best[on], 1e3 * best[0])
-    return chosen > 0
+    modes[chosen]()
+    logger.info("quantized GEMM: %s: %s (a pass: %s)", name, chosen,
+                " | ".join(f"{label} {1e3 * t:.2f} ms" for label, t in best.items()))
+    return chosen

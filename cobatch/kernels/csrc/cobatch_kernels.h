@@ -175,8 +175,11 @@ enum { QUANT_Q8_0 = 0, QUANT_Q4_0 = 1, QUANT_Q4_K = 2, QUANT_Q5_0 = 3, QUANT_Q6_
 
 /* The path built: 2 AVX-512 VNNI, 1 AVX2, 0 plain C on vectors (the same arithmetic on the same layout). */
 int gemm_quant_path(void);
-/* Calls of at most max_rows rows stream one panel per task, no software prefetch (0: never; a speed choice). */
+/* Calls of at most max_rows rows stream one panel per task (0: never; a speed choice). */
 void gemm_quant_set_single_stream(int max_rows);
+/* VNNI path: single-stream mode prefetches its stream ahead (1, the default) or leaves it to the hardware
+ * prefetcher (0); a speed choice. */
+void gemm_quant_set_single_prefetch(int on);
 /* VNNI path: micro-tiles of 8 rows instead of 4 for Q8_0 / Q4_0 / Q5_0 (1: on, 0: off; a speed choice). */
 void gemm_quant_set_wide_tiles(int on);
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL), W packed from GGUF blocks; x, bias, y fp32 or bf16. */

@@ -623,15 +623,20 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
  * prefetcher keeps in flight: Zen 5, 1 thread, 2048 x 2048 out of cache, against no software prefetch
  * (scripts/quant_builds_microbench.py --single-stream --baseline): one / two rows Q4_K 1.39x / 1.47x,
  * Q6_K 1.32x / 1.33x, Q4_0 1.24x / 1.34x, Q5_0 1.24x / 1.37x (then at 35-41 GB/s, the core's read
- * bandwidth), Q8_0 0.97x / 1.10x; 9 KB and 16 KB ahead did no better. */
+ * bandwidth), Q8_0 0.97x / 1.10x; 9 KB and 16 KB ahead did no better. On a Zen 4 the same prefetch was
+ * slower at one row (its hardware prefetcher alone streams faster), so it is a choice made at load too
+ * (gemm_quant_set_single_prefetch; 0: the hardware prefetcher alone). */
 #ifndef SINGLE_PREFETCH_BYTES
 #define SINGLE_PREFETCH_BYTES 12288
 #endif
+static int single_prefetch = 1;
+
+void gemm_quant_set_single_prefetch(int on) { single_prefetch = on; }
 
 /* How far ahead a task's first micro-tile prefetches, in 32-blocks (0: not at all). */
 static int prefetch_blocks(int qtype, int single) {
     const int64_t step = PANEL_BYTES[qtype] * QB / BLOCK_K[qtype];  /* a 32-block's bytes */
-    return single ? (int)(SINGLE_PREFETCH_BYTES / step) : PREFETCH_J;
+    return !single ? PREFETCH_J : single_prefetch ? (int)(SINGLE_PREFETCH_BYTES / step) : 0;
 }
 
 INLINE void prefetch_ahead(int qtype, const uint8_t *const *blk, int nz, int64_t j, int distance) {
@@ -831,7 +836,8 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 /* ----------------------------------------------------------------------------------- entry points */
 
 #if !QUANT_VNNI
-void gemm_quant_set_wide_tiles(int on) { (void)on; }  /* the VNNI path's mode; the others have one tile */
+void gemm_quant_set_wide_tiles(int on) { (void)on; }  /* the VNNI path's modes; the others have one tile */
+void gemm_quant_set_single_prefetch(int on) { (void)on; }  /* and prefetch nothing in single-stream mode */
 
 /* The AVX2 path prefetches PREFETCH_J2 ahead outside single-stream mode (prefetch != 0), plain C never. */
 static int prefetch_blocks(int qtype, int single) { (void)qtype; return !single; }
@@ -840,11 +846,10 @@ static int prefetch_blocks(int qtype, int single) { (void)qtype; return !single;
 int gemm_quant_path(void) { return QUANT_PATH; }
 
 /* Single-stream mode: calls of at most this many rows take one panel per task, so each thread reads one
- * sequential stream (the VNNI path prefetching it SINGLE_PREFETCH_BYTES ahead, the others not at all),
- * which some CPUs follow faster than NZ streams kept in flight by hand (a Zen 4 at M = 1, before that
- * prefetch: 1.2-1.45x) and others slower; kernels/quant_linear.py times both on the model's own weights
- * at load and sets the faster (0: off). The result's bits do not
- * depend on it. */
+ * sequential stream (the VNNI path prefetching it SINGLE_PREFETCH_BYTES ahead or not, the others not at
+ * all), which some CPUs follow faster than NZ streams kept in flight by hand (a Zen 4 at M = 1: 1.2-1.45x)
+ * and others slower; kernels/quant_linear.py times the choices on the model's own weights at load and
+ * sets the fastest (0: off). The result's bits do not depend on it. */
 static int single_stream_rows = 0;
 
 void gemm_quant_set_single_stream(int max_rows) { single_stream_rows = max_rows; }
