@@ -10,7 +10,8 @@ NAME='-DX=1 ...' this tree's built with those flags (retuning a #define); each c
 library's flags. Prints a table and writes JSON.
 
     .venv/bin/python scripts/quant_builds_microbench.py [--baseline HEAD~1] [--n 1536 --k 1536] [--json PATH]
-        [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,q5_0,q6_k] [--variant NAME=FLAGS ...] [--single-stream]
+        [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,q5_0,q6_k] [--variant NAME=FLAGS ...] [--single-stream
+        [--no-single-prefetch]]
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def main() -> int:
     parser.add_argument("--no-plain", action="store_true", help="leave the plain C build out")
     parser.add_argument("--single-stream", action="store_true",
                         help="every build in single-stream mode (gemm_quant_set_single_stream), as the runner sets it")
+    parser.add_argument("--no-single-prefetch", action="store_true",
+                        help="with --single-stream: its software prefetch off (gemm_quant_set_single_prefetch)")
     parser.add_argument("--json", default="/tmp/quant_kernel.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -129,9 +132,12 @@ def main() -> int:
         for lib in libs.values():
             if args.single_stream and hasattr(lib, "gemm_quant_set_single_stream"):
                 lib.gemm_quant_set_single_stream(SINGLE_STREAM_ROWS)
+            if args.no_single_prefetch and hasattr(lib, "gemm_quant_set_single_prefetch"):
+                lib.gemm_quant_set_single_prefetch(0)
         results = run(libs, args.n, args.k, rows, args.rounds, args.formats.split(","))
     write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "rounds": args.rounds,
-                           "single_stream": args.single_stream, "results": results})
+                           "single_stream": args.single_stream, "single_prefetch": not args.no_single_prefetch,
+                           "results": results})
     print(f"wrote {args.json}")
     return 0
 

@@ -441,6 +441,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
     const int64_t nb = K / QB;
     const int32_t off = qtype == QUANT_Q4_K || qtype == QUANT_Q8_0 ? 0 : (int32_t)code_offset(qtype);
     const int halves = sums_per_block(qtype), span = 8 / halves;  /* span: code vectors per integer sum */
+    __m512 kd[NZ], kdmin[NZ];  /* Q4_K: the current 256-block's d and dmin, converted once for its 8 */
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *blk = panel_block(qtype, w, K, p, j);
         if (stream) {
@@ -579,8 +580,14 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
     return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
 }
 
-/* Q4_K: sub-block j's a = d * scale and b = dmin * min, per lane. */
-INLINE void k4_ab(const uint8_t *blk, int j, __m512 *a, __m512 *b) {
+/* Q4_K: a 256-block's d and dmin, per lane: the same for its 8 sub-blocks. */
+INLINE void k4_d(const uint8_t *blk, __m512 *d, __m512 *dmin) {
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    *dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+}
+
+/* Q4_K: sub-block j's a = d * scale and b = dmin * min, per lane (d, dmin: k4_d of its block). */
+INLINE void k4_ab(const uint8_t *blk, int j, __m512 d, __m512 dmin, __m512 *a, __m512 *b) {
     const __m512i d0 = _mm512_loadu_si512(blk + 64), d1 = _mm512_loadu_si512(blk + 128);
     const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(3);
     __m512i sc, mn;
@@ -598,8 +605,8 @@ INLINE void k4_ab(const uint8_t *blk, int j, __m512 *a, __m512 *b) {
         mn = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(d2, hi4), m4),
                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(d1, top), m2), 4));
     }
-    *a = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)), _mm512_cvtepi32_ps(sc));
-    *b = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))), _mm512_cvtepi32_ps(mn));
+    *a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+    *b = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
 }
 
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
@@ -670,6 +677,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
     const int64_t nb = K / QB;
     const float off = code_offset(qtype);
     const int halves = sums_per_block(qtype), span = 8 / halves;  /* span: code vectors per integer sum */
+    __m512 kd[NZ], kdmin[NZ];  /* Q4_K: the current 256-block's d and dmin, converted once for its 8 */
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *blk[NZ];
 #pragma GCC unroll 4
@@ -733,7 +741,8 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             if (qtype == QUANT_Q4_K && cached != NULL && !kab.store)
                 a[z] = _mm512_loadu_ps(cached), b[z] = _mm512_loadu_ps(cached + NR);
             else if (qtype == QUANT_Q4_K) {
-                k4_ab(blk[z], (int)(j % 8), &a[z], &b[z]);
+                if (j % 8 == 0) k4_d(blk[z], &kd[z], &kdmin[z]);
+                k4_ab(blk[z], (int)(j % 8), kd[z], kdmin[z], &a[z], &b[z]);
                 if (cached != NULL) _mm512_storeu_ps(cached, a[z]), _mm512_storeu_ps(cached + NR, b[z]);
             } else a[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z])), b[z] = a[z];
         }
