@@ -441,7 +441,6 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
     const int64_t nb = K / QB;
     const int32_t off = qtype == QUANT_Q4_K || qtype == QUANT_Q8_0 ? 0 : (int32_t)code_offset(qtype);
     const int halves = sums_per_block(qtype), span = 8 / halves;  /* span: code vectors per integer sum */
-    __m512 kd[NZ], kdmin[NZ];  /* Q4_K: the current 256-block's d and dmin, converted once for its 8 */
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *blk = panel_block(qtype, w, K, p, j);
         if (stream) {
