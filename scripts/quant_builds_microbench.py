@@ -28,6 +28,7 @@ import torch
 
 from cobatch.bench.common import write_json
 from cobatch.kernels.build import COMPILE_FLAGS
+from cobatch.kernels.hugepages import huge_page_zeros
 from cobatch.kernels.quant_linear import FORMATS, SINGLE_STREAM_ROWS
 from cobatch.models.quantization import quantize
 
@@ -75,7 +76,9 @@ def seconds_per_call(fn: Callable[[], None], budget_s: float = 0.5) -> float:
 
 
 def ring(tensor: torch.Tensor) -> list[torch.Tensor]:
-    return [tensor.clone() for _ in range(max(2, RING_BYTES // (tensor.numel() * tensor.element_size())))]
+    """Copies of `tensor` on huge pages, as the engine keeps its weights (kernels/hugepages.py)."""
+    copies = max(2, RING_BYTES // (tensor.numel() * tensor.element_size()))
+    return [huge_page_zeros(tuple(tensor.shape), tensor.dtype).copy_(tensor) for _ in range(copies)]
 
 
 def run(libs: dict[str, ctypes.CDLL], n: int, k: int, rows: list[int], rounds: int,
