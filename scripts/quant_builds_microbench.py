@@ -11,7 +11,7 @@ library's flags. Prints a table and writes JSON.
 
     .venv/bin/python scripts/quant_builds_microbench.py [--baseline HEAD~1] [--n 1536 --k 1536] [--json PATH]
         [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,q5_0,q6_k] [--variant NAME=FLAGS ...] [--single-stream
-        [--no-single-prefetch]]
+        [--no-single-prefetch]] [--wide-tiles]
 """
 
 from __future__ import annotations
@@ -124,6 +124,8 @@ def main() -> int:
                         help="every build in single-stream mode (gemm_quant_set_single_stream), as the runner sets it")
     parser.add_argument("--no-single-prefetch", action="store_true",
                         help="with --single-stream: its software prefetch off (gemm_quant_set_single_prefetch)")
+    parser.add_argument("--wide-tiles", action="store_true",
+                        help="every build in wide-tile mode (gemm_quant_set_wide_tiles), as the runner may set it")
     parser.add_argument("--json", default="/tmp/quant_kernel.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -137,9 +139,11 @@ def main() -> int:
                 lib.gemm_quant_set_single_stream(SINGLE_STREAM_ROWS)
             if args.no_single_prefetch and hasattr(lib, "gemm_quant_set_single_prefetch"):
                 lib.gemm_quant_set_single_prefetch(0)
+            if args.wide_tiles and hasattr(lib, "gemm_quant_set_wide_tiles"):
+                lib.gemm_quant_set_wide_tiles(1)
         results = run(libs, args.n, args.k, rows, args.rounds, args.formats.split(","))
     write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "rounds": args.rounds,
-                           "single_stream": args.single_stream, "single_prefetch": not args.no_single_prefetch,
+                           "single_stream": args.single_stream, "wide_tiles": args.wide_tiles, "single_prefetch": not args.no_single_prefetch,
                            "results": results})
     print(f"wrote {args.json}")
     return 0

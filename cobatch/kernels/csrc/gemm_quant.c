@@ -111,8 +111,13 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
     return blk + 32 + 16 * (2 * (j % 8) + hf);
 }
 
-/* x quantized: codes [M, K] int8, per 32-block scale [M, K / 32] and sum of codes [M, K / 32], and the sum
- * of each 16-block's codes [M, K / 16] (Q6_K's sub-blocks). */
+/* x quantized, per 32-block: int8 codes, scale and sum of codes, and the sum of each 16-block's codes (Q6_K's
+ * sub-blocks). Rows are interleaved in groups of XR: block j of rows XR g .. XR g + XR - 1 lies side by side
+ * in each array (xblock), so that a tile of rows reads each array through one pointer at fixed offsets; a
+ * pointer per row and array (12 for 4 rows) outgrows the 16 general registers beside the tile's own and
+ * spills (a Zen 4, 1 thread, 9728 x 896 in L2, 128 rows: Q4_0 and Q8_0 1.05-1.1x with the row stride a
+ * constant). Buffers hold M rounded up to XR rows. */
+#define XR 4
 typedef struct {
     int8_t *q;
     float *d;
@@ -120,6 +125,15 @@ typedef struct {
     int32_t *s16;
     int64_t K;
 } QuantRows;
+
+/* Index of row `row`'s block j in d, s (2x that in s16, QB x in q); nb = K / QB. */
+static inline int64_t xblock(int64_t nb, int64_t row, int64_t j) { return ((row / XR) * nb + j) * XR + row % XR; }
+
+/* The same for row m0 + m where m0 is a multiple of XR (every tile's first row): m / XR and m % XR are
+ * literals in a tile's unrolled copies, so its rows are fixed offsets from one index. */
+static inline int64_t xblock_tile(int64_t nb, int64_t m0, int m, int64_t j) {
+    return ((m0 / XR + m / XR) * nb + j) * XR + m % XR;
+}
 
 static float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -145,7 +159,7 @@ static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) 
     const int64_t K = r->K;
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t j = 0; j < K / QB; j++) {
-        const int64_t at = row * K + j * QB;
+        const int64_t at = row * K + j * QB, xb = xblock(K / QB, row, j);
         __m512 v[2];
         for (int h = 0; h < 2; h++)
             v[h] = is_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
@@ -157,17 +171,17 @@ static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) 
         for (int h = 0; h < 2; h++) {
             __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
             c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-            _mm_storeu_si128((__m128i *)(r->q + at + 16 * h), _mm512_cvtepi32_epi8(c));
+            _mm_storeu_si128((__m128i *)(r->q + xb * QB + 16 * h), _mm512_cvtepi32_epi8(c));
             half[h] = _mm512_reduce_add_epi32(c);
-            r->s16[row * (K / 16) + 2 * j + h] = half[h];
+            r->s16[2 * xb + h] = half[h];
         }
-        r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = half[0] + half[1];
+        r->d[xb] = d, r->s[xb] = half[0] + half[1];
     }
 }
 #else
 /* Block j (32 values) of row `row` of x into r: scale, codes, sum. */
 static void quantize_block_scalar(const void *x, int is_bf16, int64_t row, int64_t j, QuantRows *r) {
-    const int64_t K = r->K, at = row * K + j * QB;
+    const int64_t K = r->K, at = row * K + j * QB, xb = xblock(K / QB, row, j);
     float v[QB], amax = 0.0f;
     for (int t = 0; t < QB; t++) {
         v[t] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[at + t]) : ((const float *)x)[at + t];
@@ -179,11 +193,11 @@ static void quantize_block_scalar(const void *x, int is_bf16, int64_t row, int64
     for (int t = 0; t < QB; t++) {
         float c = nearbyintf(v[t] * id);
         c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
-        r->q[at + t] = (int8_t)c;
+        r->q[xb * QB + t] = (int8_t)c;
         half[t / 16] += (int32_t)c;
     }
-    r->s16[row * (K / 16) + 2 * j] = half[0], r->s16[row * (K / 16) + 2 * j + 1] = half[1];
-    r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = half[0] + half[1];
+    r->s16[2 * xb] = half[0], r->s16[2 * xb + 1] = half[1];
+    r->d[xb] = d, r->s[xb] = half[0] + half[1];
 }
 
 static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) {
@@ -342,8 +356,8 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
             }
             memcpy(&a, ab[0], sizeof a), memcpy(&b, ab[1], sizeof b);
             for (int64_t m = 0; m < rows; m++) {
-                const int8_t *xq = x->q + (m0 + m) * K + j * QB;
-                const int64_t xb = (m0 + m) * nb + j;
+                const int64_t xb = xblock(nb, m0 + m, j);
+                const int8_t *xq = x->q + xb * QB;
                 LaneInts sum = (LaneInts){0};
                 for (int hf = 0; hf < halves; hf++) {
                     /* the formats without mins start at -o sum(q), so the sum is sum(w q) / a already (as
@@ -454,7 +468,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             __m256i half[MR2][2];
 #pragma GCC unroll 4
             for (int m = 0; m < mr; m++) {
-                const int64_t xb = (m0 + m) * nb + j;
+                const int64_t xb = xblock_tile(nb, m0, m, j);
                 half[m][0] = half[m][1] = _mm256_set1_epi32(-off * (halves == 2 ? x->s16[2 * xb + hf] : x->s[xb]));
             }
 #pragma GCC unroll 8
@@ -467,7 +481,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                 }
 #pragma GCC unroll 4
                 for (int m = 0; m < mr; m++) {
-                    const __m256i xq = _mm256_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
+                    const __m256i xq = _mm256_set1_epi32(load_i32(x->q + xblock_tile(nb, m0, m, j) * QB + 4 * g));
                     for (int h = 0; h < 2; h++)
                         half[m][h] = dot4(half[m][h], c[h], qtype == QUANT_Q8_0 ? _mm256_sign_epi8(xq, sign[h]) : xq);
                 }
@@ -495,7 +509,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         }
 #pragma GCC unroll 4
         for (int m = 0; m < mr; m++) {
-            const int64_t xb = (m0 + m) * nb + j;
+            const int64_t xb = xblock_tile(nb, m0, m, j);
             const __m256 dx = _mm256_set1_ps(x->d[xb]), dxs = _mm256_set1_ps(x->d[xb] * (float)x->s[xb]);
             for (int h = 0; h < 2; h++) {
                 const __m256 s = _mm256_cvtepi32_ps(sum[m][h]);
@@ -577,6 +591,15 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
     }
     __m512i v = _mm512_loadu_si512(blk + 256 + 512 * ((j % 8) / 2) + 64 * g);
     return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+}
+
+/* The i-th code vector a block's sums visit. Q4_0 / Q5_0 keep code vectors g and g + 4 in the low and high
+ * nibbles of the same 64 bytes: visited one after the other, the two share one load (else each is loaded
+ * again, as the tile has no registers to keep the 64 bytes in between). Integer sums: the same bits in any
+ * order. A Zen 4, 1 thread, a tile of 4 rows x 3 panels with its bytes in L1: 1.3x the dot products a
+ * second. */
+INLINE int code_vector(int qtype, int i) {
+    return qtype == QUANT_Q4_0 || qtype == QUANT_Q5_0 ? i / 2 + 4 * (i % 2) : i;
 }
 
 /* Q4_K: a 256-block's d and dmin, per lane: the same for its 8 sub-blocks. */
@@ -691,7 +714,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 8
             for (int m = 0; m < mr; m++) {
                 /* the formats without mins start at -o sum(q), so the integer sum is sum(w q) / a already */
-                const int64_t xb = (m0 + m) * nb + j;
+                const int64_t xb = xblock_tile(nb, m0, m, j);
                 const int32_t start = qtype == QUANT_Q4_K ? 0 : -(int32_t)off * (halves == 2 ? x->s16[2 * xb + hf]
                                                                                               : x->s[xb]);
 #pragma GCC unroll 4
@@ -702,16 +725,17 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             if (split)
                 for (int i = 0; i < mr * NZ; i++) odd[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-            for (int g = hf * span; g < (hf + 1) * span; g++) {
+            for (int i = hf * span; i < (hf + 1) * span; i++) {
+                const int g = code_vector(qtype, i);
                 __m512i c[NZ];
 #pragma GCC unroll 4
                 for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], (int)(j % 8), g);
 #pragma GCC unroll 8
                 for (int m = 0; m < mr; m++) {
-                    const __m512i xq = _mm512_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
+                    const __m512i xq = _mm512_set1_epi32(load_i32(x->q + xblock_tile(nb, m0, m, j) * QB + 4 * g));
 #pragma GCC unroll 4
                     for (int z = 0; z < nz; z++) {
-                        __m512i *acc_g = split && g % 2 ? &odd[m * NZ + z] : &half[m * NZ + z];
+                        __m512i *acc_g = split && i % 2 ? &odd[m * NZ + z] : &half[m * NZ + z];
                         *acc_g = _mm512_dpbusd_epi32(*acc_g, c[z], xq);
                     }
                 }
@@ -747,7 +771,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         }
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
-            const int64_t xb = (m0 + m) * nb + j;
+            const int64_t xb = xblock_tile(nb, m0, m, j);
             const __m512 dx = _mm512_set1_ps(x->d[xb]);
 #pragma GCC unroll 4
             for (int z = 0; z < nz; z++) {
@@ -885,8 +909,10 @@ static void finish_rows(const float *tmp, int64_t rows, int64_t width, const voi
 int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
                int64_t K, int is_bf16, int num_threads) {
     if (!check_shape(qtype, N, K) || M <= 0) return -2;
-    QuantRows r = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * K / QB)),
-                   malloc(sizeof(int32_t) * (size_t)(M * K / QB)), malloc(sizeof(int32_t) * (size_t)(M * K / 16)), K};
+    const int64_t Mx = (M + XR - 1) / XR * XR;  /* whole groups of XR rows */
+    QuantRows r = {malloc((size_t)(Mx * K)), malloc(sizeof(float) * (size_t)(Mx * K / QB)),
+                   malloc(sizeof(int32_t) * (size_t)(Mx * K / QB)), malloc(sizeof(int32_t) * (size_t)(Mx * K / 16)),
+                   K};
     if (r.q == NULL || r.d == NULL || r.s == NULL || r.s16 == NULL) {
         free(r.q), free(r.d), free(r.s), free(r.s16);
         return -1;
