@@ -827,15 +827,17 @@ static inline int tile_height(int qtype) {
 
 /* The next task's panels come into L2 while this one computes from L2, a slice per micro-tile after its
  * first: then no micro-tile waits on memory alone, and a batch runs at the larger of its compute and memory
- * times instead of near their sum (weights out of cache, 1 thread, M = 16: Q4_0 1.13x, Q5_0 1.10x; Q8_0
- * on a Zen 4, 9728 x 896 / 1536 x 576 / 2048 x 8192: 1.64x / 1.47x / 1.38x, M = 32 1.25x, M = 128 1.02x).
- * Only with 3 or more such micro-tiles (at M = 8 one fetches as much as it hides). */
-#define MIN_AHEAD_TILES 3
-
-static Ahead ahead_slice(int qtype, const uint8_t *next, int64_t next_bytes, int64_t num_tiles, int64_t i,
+ * times instead of near their sum (weights out of cache, 1 thread, M = 16: Q4_0 1.13x, Q5_0 1.10x). Only
+ * where the later micro-tiles hold a full tile's rows or more (with fewer, e.g. one row after a full tile,
+ * they fetch as much as they hide: Q4_K at M = 5 0.89x). A Zen 4, 1 thread, 2048 x 8192, against 3 or more
+ * later micro-tiles as before (scripts/quant_builds_microbench.py --variant): M = 8 Q8_0 1.54x, Q6_K 1.12x,
+ * Q4_0 1.07x, Q4_K 1.05x; M = 12 1.47x / 1.29x / 1.12x / 1.06x. Q8_0 on 9728 x 896, 1536 x 576 and
+ * 2048 x 8192 at M = 16 (it had been left out): 1.64x, 1.47x, 1.38x; M = 32 1.25x; M = 128 1.02x. */
+static Ahead ahead_slice(const uint8_t *next, int64_t next_bytes, int64_t rows, int height, int64_t i,
                          int64_t K) {
     const Ahead none = {NULL, 0};
-    if (next == NULL || num_tiles - 1 < MIN_AHEAD_TILES || i == 0) return none;
+    const int64_t num_tiles = (rows + height - 1) / height;
+    if (next == NULL || rows < 2 * height || i == 0) return none;
     const int64_t slice = (next_bytes + num_tiles - 2) / (num_tiles - 1);
     if ((i - 1) * slice >= next_bytes) return none;
     const Ahead ahead = {next + (i - 1) * slice, (slice / (K / QB) + 63) / 64 * 64};
@@ -853,7 +855,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
         const int64_t m = i * height;
         const int mr = (int)(rows - m < height ? rows - m : height);
         const int stream = i == 0 ? prefetch : 0;  /* the task's first micro-tile reads its panels from memory */
-        const Ahead ahead = prefetch ? ahead_slice(qtype, next, next_bytes, num_tiles, i, K) : (Ahead){NULL, 0};
+        const Ahead ahead = prefetch ? ahead_slice(next, next_bytes, rows, height, i, K) : (Ahead){NULL, 0};
         float *o = out + m * ldo;
         const ScaleCache none = {NULL, 0}, kab = {scales, i == 0};
         if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
