@@ -111,13 +111,8 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
     return blk + 32 + 16 * (2 * (j % 8) + hf);
 }
 
-/* x quantized, per 32-block: int8 codes, scale and sum of codes, and the sum of each 16-block's codes (Q6_K's
- * sub-blocks). Rows are interleaved in groups of XR: block j of rows XR g .. XR g + XR - 1 lies side by side
- * in each array (xblock), so that a tile of rows reads each array through one pointer at fixed offsets; a
- * pointer per row and array (12 for 4 rows) outgrows the 16 general registers beside the tile's own and
- * spills (a Zen 4, 1 thread, 9728 x 896 in L2, 128 rows: Q4_0 and Q8_0 1.05-1.1x with the row stride a
- * constant). Buffers hold M rounded up to XR rows. */
-#define XR 4
+/* x quantized: codes [M, K] int8, per 32-block scale [M, K / 32] and sum of codes [M, K / 32], and the sum
+ * of each 16-block's codes [M, K / 16] (Q6_K's sub-blocks). */
 typedef struct {
     int8_t *q;
     float *d;
@@ -127,13 +122,7 @@ typedef struct {
 } QuantRows;
 
 /* Index of row `row`'s block j in d, s (2x that in s16, QB x in q); nb = K / QB. */
-static inline int64_t xblock(int64_t nb, int64_t row, int64_t j) { return ((row / XR) * nb + j) * XR + row % XR; }
-
-/* The same for row m0 + m where m0 is a multiple of XR (every tile's first row): m / XR and m % XR are
- * literals in a tile's unrolled copies, so its rows are fixed offsets from one index. */
-static inline int64_t xblock_tile(int64_t nb, int64_t m0, int m, int64_t j) {
-    return ((m0 / XR + m / XR) * nb + j) * XR + m % XR;
-}
+static inline int64_t xblock(int64_t nb, int64_t row, int64_t j) { return row * nb + j; }
 
 static float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -468,7 +457,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             __m256i half[MR2][2];
 #pragma GCC unroll 4
             for (int m = 0; m < mr; m++) {
-                const int64_t xb = xblock_tile(nb, m0, m, j);
+                const int64_t xb = xblock(nb, m0 + m, j);
                 half[m][0] = half[m][1] = _mm256_set1_epi32(-off * (halves == 2 ? x->s16[2 * xb + hf] : x->s[xb]));
             }
 #pragma GCC unroll 8
@@ -481,7 +470,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                 }
 #pragma GCC unroll 4
                 for (int m = 0; m < mr; m++) {
-                    const __m256i xq = _mm256_set1_epi32(load_i32(x->q + xblock_tile(nb, m0, m, j) * QB + 4 * g));
+                    const __m256i xq = _mm256_set1_epi32(load_i32(x->q + xblock(nb, m0 + m, j) * QB + 4 * g));
                     for (int h = 0; h < 2; h++)
                         half[m][h] = dot4(half[m][h], c[h], qtype == QUANT_Q8_0 ? _mm256_sign_epi8(xq, sign[h]) : xq);
                 }
@@ -509,7 +498,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         }
 #pragma GCC unroll 4
         for (int m = 0; m < mr; m++) {
-            const int64_t xb = xblock_tile(nb, m0, m, j);
+            const int64_t xb = xblock(nb, m0 + m, j);
             const __m256 dx = _mm256_set1_ps(x->d[xb]), dxs = _mm256_set1_ps(x->d[xb] * (float)x->s[xb]);
             for (int h = 0; h < 2; h++) {
                 const __m256 s = _mm256_cvtepi32_ps(sum[m][h]);
@@ -714,7 +703,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 8
             for (int m = 0; m < mr; m++) {
                 /* the formats without mins start at -o sum(q), so the integer sum is sum(w q) / a already */
-                const int64_t xb = xblock_tile(nb, m0, m, j);
+                const int64_t xb = xblock(nb, m0 + m, j);
                 const int32_t start = qtype == QUANT_Q4_K ? 0 : -(int32_t)off * (halves == 2 ? x->s16[2 * xb + hf]
                                                                                               : x->s[xb]);
 #pragma GCC unroll 4
@@ -732,7 +721,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                 for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], (int)(j % 8), g);
 #pragma GCC unroll 8
                 for (int m = 0; m < mr; m++) {
-                    const __m512i xq = _mm512_set1_epi32(load_i32(x->q + xblock_tile(nb, m0, m, j) * QB + 4 * g));
+                    const __m512i xq = _mm512_set1_epi32(load_i32(x->q + xblock(nb, m0 + m, j) * QB + 4 * g));
 #pragma GCC unroll 4
                     for (int z = 0; z < nz; z++) {
                         __m512i *acc_g = split && i % 2 ? &odd[m * NZ + z] : &half[m * NZ + z];
@@ -771,7 +760,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         }
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
-            const int64_t xb = xblock_tile(nb, m0, m, j);
+            const int64_t xb = xblock(nb, m0 + m, j);
             const __m512 dx = _mm512_set1_ps(x->d[xb]);
 #pragma GCC unroll 4
             for (int z = 0; z < nz; z++) {
@@ -911,10 +900,8 @@ static void finish_rows(const float *tmp, int64_t rows, int64_t width, const voi
 int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
                int64_t K, int is_bf16, int num_threads) {
     if (!check_shape(qtype, N, K) || M <= 0) return -2;
-    const int64_t Mx = (M + XR - 1) / XR * XR;  /* whole groups of XR rows */
-    QuantRows r = {malloc((size_t)(Mx * K)), malloc(sizeof(float) * (size_t)(Mx * K / QB)),
-                   malloc(sizeof(int32_t) * (size_t)(Mx * K / QB)), malloc(sizeof(int32_t) * (size_t)(Mx * K / 16)),
-                   K};
+    QuantRows r = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * K / QB)),
+                   malloc(sizeof(int32_t) * (size_t)(M * K / QB)), malloc(sizeof(int32_t) * (size_t)(M * K / 16)), K};
     if (r.q == NULL || r.d == NULL || r.s == NULL || r.s16 == NULL) {
         free(r.q), free(r.d), free(r.s), free(r.s16);
         return -1;
