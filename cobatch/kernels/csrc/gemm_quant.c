@@ -582,15 +582,6 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
     return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
 }
 
-/* The i-th code vector a block's sums visit. Q4_0 / Q5_0 keep code vectors g and g + 4 in the low and high
- * nibbles of the same 64 bytes: visited one after the other, the two share one load (else each is loaded
- * again, as the tile has no registers to keep the 64 bytes in between). Integer sums: the same bits in any
- * order. A Zen 4, 1 thread, 9728 x 896 (scripts/quant_builds_microbench.py --baseline): 128 rows Q4_0 1.04x,
- * Q5_0 1.12x; 1 and 16 rows unchanged. */
-INLINE int code_vector(int qtype, int i) {
-    return qtype == QUANT_Q4_0 || qtype == QUANT_Q5_0 ? i / 2 + 4 * (i % 2) : i;
-}
-
 /* Q4_K: a 256-block's d and dmin, per lane: the same for its 8 sub-blocks. */
 INLINE void k4_d(const uint8_t *blk, __m512 *d, __m512 *dmin) {
     *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
@@ -714,8 +705,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             if (split)
                 for (int i = 0; i < mr * NZ; i++) odd[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-            for (int i = hf * span; i < (hf + 1) * span; i++) {
-                const int g = code_vector(qtype, i);
+            for (int g = hf * span; g < (hf + 1) * span; g++) {
                 __m512i c[NZ];
 #pragma GCC unroll 4
                 for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], (int)(j % 8), g);
@@ -724,7 +714,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                     const __m512i xq = _mm512_set1_epi32(load_i32(x->q + xblock(nb, m0 + m, j) * QB + 4 * g));
 #pragma GCC unroll 4
                     for (int z = 0; z < nz; z++) {
-                        __m512i *acc_g = split && i % 2 ? &odd[m * NZ + z] : &half[m * NZ + z];
+                        __m512i *acc_g = split && g % 2 ? &odd[m * NZ + z] : &half[m * NZ + z];
                         *acc_g = _mm512_dpbusd_epi32(*acc_g, c[z], xq);
                     }
                 }
