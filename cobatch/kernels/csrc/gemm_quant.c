@@ -121,9 +121,6 @@ typedef struct {
     int64_t K;
 } QuantRows;
 
-/* Index of row `row`'s block j in d, s (2x that in s16, QB x in q); nb = K / QB. */
-static inline int64_t xblock(int64_t nb, int64_t row, int64_t j) { return row * nb + j; }
-
 static float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);
@@ -148,7 +145,7 @@ static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) 
     const int64_t K = r->K;
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t j = 0; j < K / QB; j++) {
-        const int64_t at = row * K + j * QB, xb = xblock(K / QB, row, j);
+        const int64_t at = row * K + j * QB;
         __m512 v[2];
         for (int h = 0; h < 2; h++)
             v[h] = is_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
@@ -160,17 +157,17 @@ static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) 
         for (int h = 0; h < 2; h++) {
             __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
             c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-            _mm_storeu_si128((__m128i *)(r->q + xb * QB + 16 * h), _mm512_cvtepi32_epi8(c));
+            _mm_storeu_si128((__m128i *)(r->q + at + 16 * h), _mm512_cvtepi32_epi8(c));
             half[h] = _mm512_reduce_add_epi32(c);
-            r->s16[2 * xb + h] = half[h];
+            r->s16[row * (K / 16) + 2 * j + h] = half[h];
         }
-        r->d[xb] = d, r->s[xb] = half[0] + half[1];
+        r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = half[0] + half[1];
     }
 }
 #else
 /* Block j (32 values) of row `row` of x into r: scale, codes, sum. */
 static void quantize_block_scalar(const void *x, int is_bf16, int64_t row, int64_t j, QuantRows *r) {
-    const int64_t K = r->K, at = row * K + j * QB, xb = xblock(K / QB, row, j);
+    const int64_t K = r->K, at = row * K + j * QB;
     float v[QB], amax = 0.0f;
     for (int t = 0; t < QB; t++) {
         v[t] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[at + t]) : ((const float *)x)[at + t];
@@ -182,11 +179,11 @@ static void quantize_block_scalar(const void *x, int is_bf16, int64_t row, int64
     for (int t = 0; t < QB; t++) {
         float c = nearbyintf(v[t] * id);
         c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
-        r->q[xb * QB + t] = (int8_t)c;
+        r->q[at + t] = (int8_t)c;
         half[t / 16] += (int32_t)c;
     }
-    r->s16[2 * xb] = half[0], r->s16[2 * xb + 1] = half[1];
-    r->d[xb] = d, r->s[xb] = half[0] + half[1];
+    r->s16[row * (K / 16) + 2 * j] = half[0], r->s16[row * (K / 16) + 2 * j + 1] = half[1];
+    r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = half[0] + half[1];
 }
 
 static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) {
@@ -345,8 +342,8 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
             }
             memcpy(&a, ab[0], sizeof a), memcpy(&b, ab[1], sizeof b);
             for (int64_t m = 0; m < rows; m++) {
-                const int64_t xb = xblock(nb, m0 + m, j);
-                const int8_t *xq = x->q + xb * QB;
+                const int8_t *xq = x->q + (m0 + m) * K + j * QB;
+                const int64_t xb = (m0 + m) * nb + j;
                 LaneInts sum = (LaneInts){0};
                 for (int hf = 0; hf < halves; hf++) {
                     /* the formats without mins start at -o sum(q), so the sum is sum(w q) / a already (as
@@ -457,7 +454,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             __m256i half[MR2][2];
 #pragma GCC unroll 4
             for (int m = 0; m < mr; m++) {
-                const int64_t xb = xblock(nb, m0 + m, j);
+                const int64_t xb = (m0 + m) * nb + j;
                 half[m][0] = half[m][1] = _mm256_set1_epi32(-off * (halves == 2 ? x->s16[2 * xb + hf] : x->s[xb]));
             }
 #pragma GCC unroll 8
@@ -470,7 +467,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                 }
 #pragma GCC unroll 4
                 for (int m = 0; m < mr; m++) {
-                    const __m256i xq = _mm256_set1_epi32(load_i32(x->q + xblock(nb, m0 + m, j) * QB + 4 * g));
+                    const __m256i xq = _mm256_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
                     for (int h = 0; h < 2; h++)
                         half[m][h] = dot4(half[m][h], c[h], qtype == QUANT_Q8_0 ? _mm256_sign_epi8(xq, sign[h]) : xq);
                 }
@@ -498,7 +495,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         }
 #pragma GCC unroll 4
         for (int m = 0; m < mr; m++) {
-            const int64_t xb = xblock(nb, m0 + m, j);
+            const int64_t xb = (m0 + m) * nb + j;
             const __m256 dx = _mm256_set1_ps(x->d[xb]), dxs = _mm256_set1_ps(x->d[xb] * (float)x->s[xb]);
             for (int h = 0; h < 2; h++) {
                 const __m256 s = _mm256_cvtepi32_ps(sum[m][h]);
@@ -694,7 +691,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 8
             for (int m = 0; m < mr; m++) {
                 /* the formats without mins start at -o sum(q), so the integer sum is sum(w q) / a already */
-                const int64_t xb = xblock(nb, m0 + m, j);
+                const int64_t xb = (m0 + m) * nb + j;
                 const int32_t start = qtype == QUANT_Q4_K ? 0 : -(int32_t)off * (halves == 2 ? x->s16[2 * xb + hf]
                                                                                               : x->s[xb]);
 #pragma GCC unroll 4
@@ -711,7 +708,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                 for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], (int)(j % 8), g);
 #pragma GCC unroll 8
                 for (int m = 0; m < mr; m++) {
-                    const __m512i xq = _mm512_set1_epi32(load_i32(x->q + xblock(nb, m0 + m, j) * QB + 4 * g));
+                    const __m512i xq = _mm512_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
 #pragma GCC unroll 4
                     for (int z = 0; z < nz; z++) {
                         __m512i *acc_g = split && g % 2 ? &odd[m * NZ + z] : &half[m * NZ + z];
@@ -750,7 +747,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         }
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
-            const int64_t xb = xblock(nb, m0 + m, j);
+            const int64_t xb = (m0 + m) * nb + j;
             const __m512 dx = _mm512_set1_ps(x->d[xb]);
 #pragma GCC unroll 4
             for (int z = 0; z < nz; z++) {
