@@ -143,8 +143,8 @@ def main() -> int:
                 lib.gemm_quant_set_wide_tiles(1)
         results = run(libs, args.n, args.k, rows, args.rounds, args.formats.split(","))
     write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "rounds": args.rounds,
-                           "single_stream": args.single_stream, "wide_tiles": args.wide_tiles, "single_prefetch": not args.no_single_prefetch,
-                           "results": results})
+                           "single_stream": args.single_stream, "single_prefetch": not args.no_single_prefetch,
+                           "wide_tiles": args.wide_tiles, "results": results})
     print(f"wrote {args.json}")
     return 0
 

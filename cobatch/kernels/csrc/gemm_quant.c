@@ -806,9 +806,9 @@ static inline int tile_height(int qtype) {
  * times instead of near their sum (weights out of cache, 1 thread, M = 16: Q4_0 1.13x, Q5_0 1.10x). Only
  * where the later micro-tiles hold a full tile's rows or more (with fewer, e.g. one row after a full tile,
  * they fetch as much as they hide: Q4_K at M = 5 0.89x). A Zen 4, 1 thread, 2048 x 8192, against 3 or more
- * later micro-tiles as before (scripts/quant_builds_microbench.py --variant): M = 8 Q8_0 1.54x, Q6_K 1.12x,
- * Q4_0 1.07x, Q4_K 1.05x; M = 12 1.47x / 1.29x / 1.12x / 1.06x. Q8_0 on 9728 x 896, 1536 x 576 and
- * 2048 x 8192 at M = 16 (it had been left out): 1.64x, 1.47x, 1.38x; M = 32 1.25x; M = 128 1.02x. */
+ * later micro-tiles and no Q8_0 (docs/bench/quant_kernel_ahead_zen4.json): M = 8 Q8_0 1.48x, Q6_K 1.34x,
+ * Q4_0 1.12x, Q4_K 1.07x; M = 12 1.48x / 1.24x / 1.18x / 1.04x; Q8_0 at M = 16 1.31x (9728 x 896: 1.64x),
+ * M = 128 unchanged. */
 static Ahead ahead_slice(const uint8_t *next, int64_t next_bytes, int64_t rows, int height, int64_t i,
                          int64_t K) {
     const Ahead none = {NULL, 0};
