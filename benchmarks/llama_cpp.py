@@ -4,7 +4,7 @@ For each named shape (benchmarks/shapes.py: random weights, the published config
 folder, converts it with llama.cpp's own `convert_hf_to_gguf.py` to a dense GGUF (bf16 and/or f32) and
 requantizes that file to Q8_0 / Q4_0 / Q4_K (scripts/quantize_gguf.py, gguf-py's reference rounding, every
 matrix), or to llama-quantize's own mixes (q4_k_m: Q4_K with Q6_K / Q5_0 / Q8_0 matrices where llama.cpp
-puts them; needs `build/bin/llama-quantize`). Both servers then load the very same file. Against each, in
+puts them; q5_k_m: Q5_K with Q6_K / Q5_1 / Q8_0; needs `build/bin/llama-quantize`). Both servers then load the very same file. Against each, in
 turn, one server up at a time:
 
     single   one stream: --num-single requests one after another
@@ -22,7 +22,7 @@ int8 dot products for quantized files, fp32 FMAs for dense ones). JSON + plot.
     .venv/bin/python -m benchmarks.llama_cpp --llama-cpp DIR [--shapes smollm2-135m,qwen2.5-0.5b]
         [--formats bf16,q8_0,q4_0] [--threads 1] [--repeats 1] [--work-dir /tmp/llama_cpp_shapes] [--report]
 
-DIR is a llama.cpp tree with `build/bin/llama-server` (and for q4_k_m `llama-quantize`) built
+DIR is a llama.cpp tree with `build/bin/llama-server` (and for q4_k_m / q5_k_m `llama-quantize`) built
 (docs/BENCHMARKS.md says how). Cells are merged into an existing --json of the same loads: a re-run of
 some shapes or formats replaces those and keeps the rest, each cell with its own date.
 """
@@ -52,7 +52,7 @@ from cobatch.testing.server import free_port, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 DENSE = ("bf16", "f32")
-LLAMA_QUANTIZE_MIXES = {"q4_k_m": "Q4_K_M"}  # format -> llama-quantize's type name
+LLAMA_QUANTIZE_MIXES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M"}  # format -> llama-quantize's type name
 QUANTIZED = ("q8_0", "q4_0", "q4_k", *LLAMA_QUANTIZE_MIXES)
 SERVERS = ("llama-server", "cobatch")
 _READY_TIMEOUT_S = 600.0

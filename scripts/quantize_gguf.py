@@ -7,8 +7,8 @@ Q8_0 and Q4_0 with gguf-py's reference quantizer, Q4_K with models/quantization.
 llama-quantize does, a matrix whose rows do not split into Q4_K's 256-weight super-blocks falls back to
 a 32-block format (here Q4_0; llama.cpp picks Q5_0); 1-D tensors (norms) stay F32. `--tensor-type
 REGEX=TYPE` (as llama-quantize's) writes the matrices whose GGUF name matches REGEX in TYPE instead, also
-in q5_0 or q6_k (K a multiple of 256), or in a type the kernel does not serve (q5_1, q4_1: gguf-py quantizes them): the mixed files that
-llama-quantize's Q4_K_M and the like are.
+in q5_0, q5_k or q6_k (the K-quants: K a multiple of 256), or in a type the kernel does not serve (q5_1,
+q4_1: gguf-py quantizes them): the mixed files that llama-quantize's Q4_K_M and the like are.
 
     .venv/bin/python scripts/quantize_gguf.py OUT.gguf --type q8_0|q4_0|q4_k [--model IN.gguf] \
         [--tensor-type 'blk\.0\.attn_v=q5_0' ...]

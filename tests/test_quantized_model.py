@@ -130,12 +130,12 @@ def test_quantized_gguf_keeps_its_bytes_and_matches_its_dequantized_weights(quan
 
 # As llama-quantize's mixes do: some attn_v and ffn_down in other types, a fused q | k | v of two formats.
 MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.1[0-4]\.ffn_down=q4_1", r"blk\.2[0-4]\.attn_k=q8_0",
-       r"blk\.2[5-9]\.ffn_down=q5_0", r"blk\.[5-9]\.ffn_down=q6_k")
+       r"blk\.2[5-9]\.ffn_down=q5_0", r"blk\.[5-9]\.ffn_down=q6_k", r"blk\.1[5-9]\.ffn_down=q5_k")
 
 
 def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quantized_gguf) -> None:
     """A Q4_1 matrix becomes Q8_0 (requantized), and so does q | k | v of mixed formats (exactly from a
-    Q5_0 v); a Q5_0 or Q6_K ffn_down stays as it is (the Q6_K one's values exactly): no dense matrix, a
+    Q5_0 v); a Q5_0, Q5_K or Q6_K ffn_down stays as it is (the K-quants' values exactly): no dense matrix, a
     little more than the file's bytes, greedy output ranked by its dequantized weights as the plain
     files' is."""
     path = quantized_gguf("q4_0", *MIX)
@@ -146,6 +146,7 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     assert quant_type(layer0).name == "q8_0" and quant_type(model.layers[5].qkv_proj).name == "q4_0"
     assert quant_type(model.layers[25].down_proj).name == "q5_0"
     assert quant_type(model.layers[5].down_proj).name == "q6_k"
+    assert quant_type(model.layers[15].down_proj).name == "q5_k"
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() > 1)
     assert model_bytes <= 1.2 * _matrix_bytes(path)
     reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
@@ -159,11 +160,12 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     block_max = down_dense.abs().reshape(down_dense.shape[0], -1, 32).amax(-1, keepdim=True)
     error = (served - down_dense).abs().reshape(block_max.shape[0], -1, 32)
     assert (error <= block_max * (1 / 254 + 1 / 1024)).all()
-    down6 = reader["blk.5.ffn_down.weight"]
-    down6_dense = torch.from_numpy(gguf.quants.dequantize(down6.data, down6.tensor_type))
-    assert torch.equal(quantized_rows(torch.arange(down6_dense.shape[0]), model.layers[5].down_proj.data,
-                                      torch.float32), down6_dense)
-    _check_against_dequantized(llm, {"q4_0", "q8_0", "q5_0", "q6_k"})
+    for layer in (5, 15):  # Q6_K, Q5_K
+        down_k = reader[f"blk.{layer}.ffn_down.weight"]
+        down_k_dense = torch.from_numpy(gguf.quants.dequantize(down_k.data, down_k.tensor_type))
+        assert torch.equal(quantized_rows(torch.arange(down_k_dense.shape[0]), model.layers[layer].down_proj.data,
+                                          torch.float32), down_k_dense)
+    _check_against_dequantized(llm, {"q4_0", "q8_0", "q5_0", "q5_k", "q6_k"})
 
 
 def test_hf_folder_quantized_at_load_matches_its_dequantized_weights(hf_folder: Path) -> None:

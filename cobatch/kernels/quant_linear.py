@@ -1,4 +1,4 @@
-"""Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_K, Q5_0, Q6_K) kept quantized: csrc/gemm_quant.c.
+"""Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K) kept quantized: csrc/gemm_quant.c.
 
 A weight arrives as GGUF's blocks, a uint8 tensor [N, K / block, block_bytes] (one row of blocks per
 output; `raw_blocks` views a GGUF tensor so). `pack_blocks` reorders those bytes once, at load, into
@@ -55,7 +55,7 @@ class QuantFormat:
 
 FORMATS = {f.name: f for f in (QuantFormat("q8_0", 0, 32, 34), QuantFormat("q4_0", 1, 32, 18),
                                QuantFormat("q4_k", 2, 256, 144), QuantFormat("q5_0", 3, 32, 22),
-                               QuantFormat("q6_k", 4, 256, 210))}
+                               QuantFormat("q6_k", 4, 256, 210), QuantFormat("q5_k", 5, 256, 176))}
 _BY_PANEL_BYTES = {f.panel_bytes: f for f in FORMATS.values()}
 
 

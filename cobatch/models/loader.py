@@ -2,10 +2,10 @@
 
 Both sources are first turned into HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), then
 `build_model` fuses them into the decoder's layout (QKV and gate/up concatenated). A GGUF tensor in a
-format the quantized kernel serves (Q8_0, Q4_0, Q4_K, Q5_0, Q6_K: kernels/quant_linear.py) stays as its
+format the quantized kernel serves (Q8_0, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K: kernels/quant_linear.py) stays as its
 blocks, a uint8 [N, K / block, block_bytes] tensor, and the model keeps it packed, never dense (so the Q6_K
 lm_head, attn_v and ffn_down of llama-quantize's Q4_K_M mix stay Q6_K). In a file mostly in those formats,
-a matrix in another quantized type (Q4_1, Q5_1, Q5_K ...) becomes Q8_0, requantized from its dequantized
+a matrix in another quantized type (Q4_1, Q5_1, Q3_K ...) becomes Q8_0, requantized from its dequantized
 values, and so does a fused projection whose parts differ in format (exactly from Q4_0 and Q5_0 parts):
 dense fp32 copies of them would hold 4-5x their bytes and be streamed every step. Other files are dequantized with
 `gguf`. `quantization` ("q8_0" | "q4_0") quantizes the dense projections and embeddings at load

@@ -1,13 +1,13 @@
-"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_0, Q6_K), for `--quantization` and the test files.
+"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K), for `--quantization` and the test files.
 
 Q8_0 and Q4_0 use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
 `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref`, so a folder quantized here holds the bytes
-llama-quantize's reference path writes. gguf-py has no K-quant quantizers: `quantize_q4_k` is a plain one
-(each 32-weight sub-block's range mapped onto 0..15, its scale and min rounded to 6 bits of the super
-block's fp16 d and dmin), and so is `quantize_q6_k` (each 16-weight sub-block's largest value mapped onto
--32, its scale rounded to an int8 of the super block's d, as the first step of llama.cpp's), both without
-llama.cpp's iterative search for the best scale, so their error is somewhat larger; the formats and the
-bytes' meaning are GGUF's (gguf-py dequantizes them, tested).
+llama-quantize's reference path writes. gguf-py has no K-quant quantizers: `quantize_k_with_mins` is a
+plain one (each 32-weight sub-block's range mapped onto 0..15 for Q4_K, 0..31 for Q5_K, its scale and min
+rounded to 6 bits of the super block's fp16 d and dmin), and so is `quantize_q6_k` (each 16-weight
+sub-block's largest value mapped onto -32, its scale rounded to an int8 of the super block's d, as the
+first step of llama.cpp's), both without llama.cpp's iterative search for the best scale, so their error
+is somewhat larger; the formats and the bytes' meaning are GGUF's (gguf-py dequantizes them, tested).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from cobatch.kernels.quant_linear import FORMATS, QuantFormat
 
 GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
               "q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_0": gguf.GGMLQuantizationType.Q5_0,
-              "q6_k": gguf.GGMLQuantizationType.Q6_K}
+              "q6_k": gguf.GGMLQuantizationType.Q6_K, "q5_k": gguf.GGMLQuantizationType.Q5_K}
 
 
 def format_of(tensor_type: gguf.GGMLQuantizationType) -> QuantFormat | None:
@@ -32,8 +32,10 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
     """A dense [N, K] weight -> its GGUF blocks [N, K / block, block_bytes] (uint8) in format `name`."""
     fmt = FORMATS[name]
     values = weight.detach().to(torch.float32).numpy()
-    if name in ("q4_k", "q6_k"):  # gguf-py's own quantizers stop at the 32-weight formats
-        data = quantize_q4_k(values) if name == "q4_k" else quantize_q6_k(values)
+    if name in ("q4_k", "q5_k"):  # gguf-py's own quantizers stop at the 32-weight formats
+        data = quantize_k_with_mins(values, 5 if name == "q5_k" else 4)
+    elif name == "q6_k":
+        data = quantize_q6_k(values)
     else:
         data = gguf.quants.quantize(values, GGUF_TYPES[name])
     return torch.from_numpy(np.ascontiguousarray(data)).view(weight.shape[0], -1, fmt.block_bytes)
@@ -70,24 +72,26 @@ def dequantize(blocks: torch.Tensor, name: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, GGUF_TYPES[name])))
 
 
-def quantize_q4_k(values: np.ndarray) -> np.ndarray:
-    """[N, K] fp32 (K % 256 == 0) -> Q4_K bytes [N, K / 256 * 144]."""
+def quantize_k_with_mins(values: np.ndarray, bits: int) -> np.ndarray:
+    """[N, K] fp32 (K % 256 == 0) -> Q4_K (bits 4) bytes [N, K / 256 * 144] or Q5_K (bits 5) [N, K / 256 * 176]."""
     n, k = values.shape
+    top = (1 << bits) - 1
     sub = values.reshape(n, k // 256, 8, 32).astype(np.float32)
     low = np.minimum(sub.min(axis=-1), 0.0)  # each sub-block's range, holding 0 (a min >= 0 is subtracted)
-    scale = (sub.max(axis=-1) - low) / 15.0
+    scale = (sub.max(axis=-1) - low) / top
     d = (scale.max(axis=-1) / 63.0).astype(np.float16)  # [n, sb]
     dmin = ((-low).max(axis=-1) / 63.0).astype(np.float16)
     sc = _ratio(scale, d).clip(0, 63).astype(np.uint8)  # [n, sb, 8]
     mn = _ratio(-low, dmin).clip(0, 63).astype(np.uint8)
     a = d.astype(np.float32)[..., None] * sc  # the weights as stored: a * code - b
     b = dmin.astype(np.float32)[..., None] * mn
-    codes = _ratio(sub + b[..., None], a[..., None]).clip(0, 15).astype(np.uint8)  # [n, sb, 8, 32]
-    chunks = codes.reshape(n, k // 256, 4, 2, 32)
+    codes = _ratio(sub + b[..., None], a[..., None]).clip(0, top).astype(np.uint8)  # [n, sb, 8, 32]
+    chunks = (codes & 0xF).reshape(n, k // 256, 4, 2, 32)
     qs = (chunks[..., 0, :] | (chunks[..., 1, :] << 4)).reshape(n, k // 256, 128)
-    out = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), _pack_scales(sc, mn), qs],
-                         axis=-1)
-    return out.reshape(n, -1)
+    head = [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), _pack_scales(sc, mn)]
+    if bits == 5:  # qh: bit s of byte l holds the fifth bit of sub-block s's code l
+        head.append(((codes >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=-2, dtype=np.uint8))
+    return np.concatenate([*head, qs], axis=-1).reshape(n, -1)
 
 
 def quantize_q6_k(values: np.ndarray) -> np.ndarray:

@@ -1,9 +1,9 @@
 /* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 4.5, 5.5, 6.56 or
- * 8.5 bits per weight (Q8_0, Q4_0, Q4_K, Q5_0, Q6_K), x fp32 or bf16, fp32 accumulation.
+ * 8.5 bits per weight (Q8_0, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K), x fp32 or bf16, fp32 accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
  * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
- * Q5_0 0.69, Q4_0 and Q4_K 0.56. Dequantizing at load would give that back.
+ * Q5_0 and Q5_K 0.69, Q4_0 and Q4_K 0.56. Dequantizing at load would give that back.
  *
  * Activations: each row of x is quantized on the fly, per block of 32, to int8 (scale dx = max|x| / 127,
  * q = round-to-nearest-even(x / dx)), and the sum of each block's q kept (llama.cpp's Q8_0/Q8_1
@@ -16,6 +16,7 @@
  *     Q5_0: c = the 5-bit code 0..31 (4 low bits as Q4_0's, the fifth from qh), a = d, o = 16;
  *     Q4_K: c = the 4-bit code, per 32-weight sub-block a = d * scale, and w = a c - dmin * min, so
  *           sum(w x) = dx * (a sum(c q) - dmin * min * sum(q));
+ *     Q5_K: as Q4_K, c the 5-bit code 0..31 (4 low bits as Q4_K's, the fifth from qh);
  *     Q6_K: c = the 6-bit code 0..63, per 16-weight sub-block a = d * scale (int8), o = 32: each half
  *           of a 32-block has its own integer sum, times its scale (Numerics), and a = d.
  *
@@ -32,6 +33,8 @@
  *     Q4_K (2304 bytes): d[16] | dmin[16] fp16 | scales[3][16][4]: GGUF's 12 scale bytes of row l, 4 at a
  *                       time | qs[4][8][16][4]: GGUF's qs bytes 32 c + 4 g .. + 3 (low nibbles: K 64 c +
  *                       4 g + t, sub-block 2 c; high: 64 c + 32 + 4 g + t, sub-block 2 c + 1)
+ *     Q5_K (2816 bytes): Q4_K's | hb[8][16][4]: GGUF's qh bytes 4 g .. 4 g + 3 of row l (bit s of byte t:
+ *                       the fifth bit of K 32 s + 4 g + t, sub-block s)
  *     Q6_K (3360 bytes): d[16] fp16 | scales[16][16] int8 (sub-block s of lane l at 16 s + l) | then per
  *                       32-block c (0..7) of the super-block, per half h: v[3][16][4]: byte (r, l, t) =
  *                       the code of K 32 c + 16 h + 4 r + t in bits 0..5, and bits 2 r, 2 r + 1 of the
@@ -46,7 +49,7 @@
  * panels keeps 2 MR NZ vectors (the block's integer sums and the fp32 results) in registers. A task's first
  * micro-tile reads its panels from memory, the others from L2, and those bring the next task's panels
  * into L2 as they go (ahead_slice); Q4_K's scales, unpacked by the first, are kept for the others
- * (ScaleCache). Calls of one or two rows can instead take one panel per task, one stream per thread
+ * (ScaleCache; Q5_K's too). Calls of one or two rows can instead take one panel per task, one stream per thread
  * (single-stream mode; the VNNI path prefetches it further ahead), and the VNNI path micro-tiles of 8
  * rows with the fp32 results in L1 (wide tiles); both are chosen per CPU at load
  * (gemm_quant_set_single_stream, gemm_quant_set_wide_tiles).
@@ -98,13 +101,19 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* Bytes of one panel block and weights per format block. */
-static const int64_t PANEL_BYTES[5] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210};
-static const int64_t BLOCK_K[5] = {32, 32, 256, 32, 256};
+static const int64_t PANEL_BYTES[6] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176};
+static const int64_t BLOCK_K[6] = {32, 32, 256, 32, 256, 256};
+#define K5_HIGH 2304 /* where a Q5_K panel block's fifth bits start (after Q4_K's layout) */
 #define Q6_CODES 288 /* where a Q6_K panel block's codes start (after d and the scales) */
 #define Q6_BLOCK 384 /* a Q6_K panel's bytes of codes per 32-block: two halves of 3 vectors */
 
 /* Integer sums per 32-block: 2 for Q6_K (one per 16-weight sub-block, each with its own scale), else 1. */
 static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K ? 2 : 1; }
+
+/* The formats with a min per sub-block (w = a c - b): Q4_K and Q5_K, which share their scales' layout. A
+ * macro: a plain expression of the literal qtype folds before the tile's loops are unrolled (as an inline
+ * function it did not, and Q4_K's tile ran 1.9x slower). */
+#define HAS_MINS(qtype) ((qtype) == QUANT_Q4_K || (qtype) == QUANT_Q5_K)
 
 /* Q6_K: the 16 lanes' int8 scales of half hf of 32-block j, in the panel block at blk. */
 static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
@@ -222,7 +231,7 @@ static void block_ab(int qtype, const uint8_t *blk, int lane, int j, int k, floa
         return;
     }
     (void)k;
-    if (qtype == QUANT_Q4_K) {
+    if (HAS_MINS(qtype)) {
         uint8_t q[12];
         for (int i = 0; i < 3; i++) memcpy(q + 4 * i, blk + 64 + 64 * i + 4 * lane, 4);
         int sc, mn;
@@ -248,8 +257,9 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
     if (qtype == QUANT_Q5_0)
         return ((blk[96 + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf) |
                (((blk[32 + 4 * lane + t] >> g) & 1) << 4);
-    const int c = (j % 8) / 2;
-    return (blk[256 + 512 * c + 64 * g + 4 * lane + t] >> (j % 2 ? 4 : 0)) & 0xf;
+    const int c = (j % 8) / 2, low = (blk[256 + 512 * c + 64 * g + 4 * lane + t] >> (j % 2 ? 4 : 0)) & 0xf;
+    if (qtype == QUANT_Q4_K) return low;
+    return low | (((blk[K5_HIGH + 64 * g + 4 * lane + t] >> (j % 8)) & 1) << 4);  /* Q5_K */
 }
 
 static inline const uint8_t *panel_block(int qtype, const uint8_t *w, int64_t K, int64_t panel, int64_t j) {
@@ -257,7 +267,7 @@ static inline const uint8_t *panel_block(int qtype, const uint8_t *w, int64_t K,
     return w + (panel * blocks + j * QB / BLOCK_K[qtype]) * PANEL_BYTES[qtype];
 }
 
-/* Q4_K's (a, b) of a task's sub-blocks, kept for its micro-tiles of rows after the first: that one unpacks
+/* Q4_K's and Q5_K's (a, b) of a task's sub-blocks, kept for its micro-tiles of rows after the first: that one unpacks
  * them from the 6-bit scales and stores them here, the others load them instead of unpacking them again
  * (VNNI: at[((j NZ + z) 2 + {0: a, 1: b}) 16 + lane]; AVX2, a panel at a time: z = 0). at NULL: each tile
  * unpacks its own (a task of one tile, or out of memory). */
@@ -271,7 +281,7 @@ typedef struct {
 /* A thread's room for ScaleCache, taken once per call: NULL where no task can have two tiles of rows (or
  * the plain path, which decodes a block once for all rows anyway). */
 static float *scale_cache(int qtype, int64_t K, int64_t M) {
-    const int used = QUANT_PATH != QUANT_PLAIN && qtype == QUANT_Q4_K && M > 1;
+    const int used = QUANT_PATH != QUANT_PLAIN && HAS_MINS(qtype) && M > 1;
     return used ? malloc(sizeof(float) * (size_t)(K / QB * NZ * 2 * NR)) : NULL;
 }
 
@@ -298,8 +308,11 @@ INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
         return ((load_lanes(v) >> 6) & 0x03030303u) | ((load_lanes(v + 64) >> 4) & 0x0c0c0c0cu) |
                ((load_lanes(v + 128) >> 2) & 0x30303030u);
     }
-    if (qtype == QUANT_Q4_K)
-        return (load_lanes(blk + 256 + 512 * ((j % 8) / 2) + 64 * g) >> (j % 2 ? 4 : 0)) & 0x0f0f0f0fu;
+    if (HAS_MINS(qtype)) {
+        const LaneWords lo = (load_lanes(blk + 256 + 512 * ((j % 8) / 2) + 64 * g) >> (j % 2 ? 4 : 0)) & 0x0f0f0f0fu;
+        if (qtype == QUANT_Q4_K) return lo;
+        return lo | (((load_lanes(blk + K5_HIGH + 64 * g) >> (j % 8)) & 0x01010101u) << 4);  /* Q5_K */
+    }
     const LaneWords v = load_lanes(blk + (qtype == QUANT_Q5_0 ? 96 : 32) + 64 * (g % 4));
     const LaneWords lo = (v >> (g < 4 ? 0 : 4)) & 0x0f0f0f0fu;
     if (qtype == QUANT_Q4_0) return lo;
@@ -349,14 +362,14 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
                     /* the formats without mins start at -o sum(q), so the sum is sum(w q) / a already (as
                      * VNNI's) */
                     const int32_t xs = halves == 2 ? x->s16[2 * xb + hf] : x->s[xb];
-                    LaneInts half = (LaneInts){0} + (qtype == QUANT_Q4_K ? 0 : -off * xs);
+                    LaneInts half = (LaneInts){0} + (HAS_MINS(qtype) ? 0 : -off * xs);
                     for (int k = hf * span; k < (hf + 1) * span; k++) half += ct[k] * (int32_t)xq[k];
                     sum += halves == 2 ? half * sc[hf] : half;
                 }
                 const LaneFloats s = __builtin_convertvector(sum, LaneFloats);
                 LaneFloats y;
                 memcpy(&y, out + m * ldo + z * NR, sizeof y);
-                y += qtype == QUANT_Q4_K ? s * x->d[xb] * a - b * (x->d[xb] * (float)x->s[xb]) : s * (a * x->d[xb]);
+                y += HAS_MINS(qtype) ? s * x->d[xb] * a - b * (x->d[xb] * (float)x->s[xb]) : s * (a * x->d[xb]);
                 memcpy(out + m * ldo + z * NR, &y, sizeof y);
             }
         }
@@ -385,9 +398,14 @@ INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
         const __m256i p2 = _mm256_and_si256(_mm256_srli_epi16(load256(v + 128), 2), _mm256_set1_epi8(0x30));
         return _mm256_or_si256(_mm256_or_si256(p0, p1), p2);
     }
-    if (qtype == QUANT_Q4_K) {
+    if (HAS_MINS(qtype)) {
         const __m256i v = load256(blk + 256 + 512 * ((j % 8) / 2) + 64 * g + 32 * h);
-        return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+        const __m256i lo = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+        if (qtype == QUANT_Q4_K) return lo;
+        /* Q5_K: bit j of each hb byte to bit 4, as Q5_0's */
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(blk + K5_HIGH + 64 * g + 32 * h), j),
+                                            _mm256_set1_epi8(1));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
     }
     const __m256i v = load256(blk + (qtype == QUANT_Q5_0 ? 96 : 32) + 64 * (g % 4) + 32 * h);
     const __m256i lo = _mm256_and_si256(g < 4 ? v : _mm256_srli_epi16(v, 4), low);
@@ -397,7 +415,7 @@ INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
     return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
 }
 
-/* Q4_K: half h of sub-block j's a = d * scale and b = dmin * min (k4_ab's arithmetic on 8 lanes). */
+/* Q4_K, Q5_K: half h of sub-block j's a = d * scale and b = dmin * min (k4_ab's arithmetic on 8 lanes). */
 INLINE void k4_ab_half(const uint8_t *blk, int j, int h, __m256 *a, __m256 *b) {
     const __m256i d0 = load256(blk + 64 + 32 * h), d1 = load256(blk + 128 + 32 * h);
     const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(15), m2 = _mm256_set1_epi32(3);
@@ -439,7 +457,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
     __m256 acc[MR2][2];
     for (int m = 0; m < MR2; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     const int64_t nb = K / QB;
-    const int32_t off = qtype == QUANT_Q4_K || qtype == QUANT_Q8_0 ? 0 : (int32_t)code_offset(qtype);
+    const int32_t off = HAS_MINS(qtype) || qtype == QUANT_Q8_0 ? 0 : (int32_t)code_offset(qtype);
     const int halves = sums_per_block(qtype), span = 8 / halves;  /* span: code vectors per integer sum */
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *blk = panel_block(qtype, w, K, p, j);
@@ -486,9 +504,9 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         __m256 a[2], b[2];
         for (int h = 0; h < 2; h++) {
             float *cached = kab.at != NULL ? kab.at + j * 2 * NR + 8 * h : NULL;
-            if (qtype == QUANT_Q4_K && cached != NULL && !kab.store)
+            if (HAS_MINS(qtype) && cached != NULL && !kab.store)
                 a[h] = _mm256_loadu_ps(cached), b[h] = _mm256_loadu_ps(cached + NR);
-            else if (qtype == QUANT_Q4_K) {
+            else if (HAS_MINS(qtype)) {
                 k4_ab_half(blk, (int)(j % 8), h, &a[h], &b[h]);
                 if (cached != NULL) _mm256_storeu_ps(cached, a[h]), _mm256_storeu_ps(cached + NR, b[h]);
             } else a[h] = b[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
@@ -499,7 +517,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             const __m256 dx = _mm256_set1_ps(x->d[xb]), dxs = _mm256_set1_ps(x->d[xb] * (float)x->s[xb]);
             for (int h = 0; h < 2; h++) {
                 const __m256 s = _mm256_cvtepi32_ps(sum[m][h]);
-                if (qtype == QUANT_Q4_K)
+                if (HAS_MINS(qtype))
                     acc[m][h] = _mm256_fnmadd_ps(b[h], dxs, _mm256_fmadd_ps(_mm256_mul_ps(s, dx), a[h], acc[m][h]));
                 else acc[m][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(a[h], dx), acc[m][h]);
             }
@@ -523,6 +541,7 @@ QTILE_FN(tile_q4_0, QUANT_Q4_0)
 QTILE_FN(tile_q4_k, QUANT_Q4_K)
 QTILE_FN(tile_q5_0, QUANT_Q5_0)
 QTILE_FN(tile_q6_k, QUANT_Q6_K)
+QTILE_FN(tile_q5_k, QUANT_Q5_K)
 
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz, a panel at a time (its blocks then stay in L1 for
  * every micro-tile of rows); the hardware prefetcher streams the panels. */
@@ -541,6 +560,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
             else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
             else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
             else if (qtype == QUANT_Q6_K) tile_q6_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
+            else if (qtype == QUANT_Q5_K) tile_q5_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, kab);
             else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, kab);
         }
 }
@@ -575,17 +595,23 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
         const __m512i hi = g < 4 ? _mm512_slli_epi16(hb, 4 - g) : g > 4 ? _mm512_srli_epi16(hb, g - 4) : hb;
         return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x10), 0xF8);
     }
-    __m512i v = _mm512_loadu_si512(blk + 256 + 512 * ((j % 8) / 2) + 64 * g);
-    return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+    const __m512i v = _mm512_loadu_si512(blk + 256 + 512 * ((j % 8) / 2) + 64 * g);
+    if (qtype == QUANT_Q4_K) return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+    const __m512i lo = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+    /* Q5_K: 16 more where bit j of the hb byte is set (j is not a literal here, as Q5_0's g is: a test
+     * against a mask, not a shift by j) */
+    const __mmask64 fifth = _mm512_test_epi8_mask(_mm512_loadu_si512(blk + K5_HIGH + 64 * g),
+                                                  _mm512_set1_epi8((char)(1 << j)));
+    return _mm512_mask_add_epi8(lo, fifth, lo, _mm512_set1_epi8(16));
 }
 
-/* Q4_K: a 256-block's d and dmin, per lane: the same for its 8 sub-blocks. */
+/* Q4_K, Q5_K: a 256-block's d and dmin, per lane: the same for its 8 sub-blocks. */
 INLINE void k4_d(const uint8_t *blk, __m512 *d, __m512 *dmin) {
     *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
     *dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
 }
 
-/* Q4_K: sub-block j's a = d * scale and b = dmin * min, per lane (d, dmin: k4_d of its block). */
+/* Q4_K, Q5_K: sub-block j's a = d * scale and b = dmin * min, per lane (d, dmin: k4_d of its block). */
 INLINE void k4_ab(const uint8_t *blk, int j, __m512 d, __m512 dmin, __m512 *a, __m512 *b) {
     const __m512i d0 = _mm512_loadu_si512(blk + 64), d1 = _mm512_loadu_si512(blk + 128);
     const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(3);
@@ -692,7 +718,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             for (int m = 0; m < mr; m++) {
                 /* the formats without mins start at -o sum(q), so the integer sum is sum(w q) / a already */
                 const int64_t xb = (m0 + m) * nb + j;
-                const int32_t start = qtype == QUANT_Q4_K ? 0 : -(int32_t)off * (halves == 2 ? x->s16[2 * xb + hf]
+                const int32_t start = HAS_MINS(qtype) ? 0 : -(int32_t)off * (halves == 2 ? x->s16[2 * xb + hf]
                                                                                               : x->s[xb]);
 #pragma GCC unroll 4
                 for (int z = 0; z < nz; z++) half[m * NZ + z] = _mm512_set1_epi32(start);
@@ -737,9 +763,9 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 4
         for (int z = 0; z < nz; z++) {
             float *cached = kab.at != NULL ? kab.at + (j * NZ + z) * 2 * NR : NULL;
-            if (qtype == QUANT_Q4_K && cached != NULL && !kab.store)
+            if (HAS_MINS(qtype) && cached != NULL && !kab.store)
                 a[z] = _mm512_loadu_ps(cached), b[z] = _mm512_loadu_ps(cached + NR);
-            else if (qtype == QUANT_Q4_K) {
+            else if (HAS_MINS(qtype)) {
                 if (j % 8 == 0) k4_d(blk[z], &kd[z], &kdmin[z]);
                 k4_ab(blk[z], (int)(j % 8), kd[z], kdmin[z], &a[z], &b[z]);
                 if (cached != NULL) _mm512_storeu_ps(cached, a[z]), _mm512_storeu_ps(cached + NR, b[z]);
@@ -753,7 +779,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             for (int z = 0; z < nz; z++) {
                 __m512 s = _mm512_cvtepi32_ps(sum[m * NZ + z]);
                 __m512 y = wide ? _mm512_loadu_ps(out + m * ldo + z * NR) : acc[m * NZ + z];
-                if (qtype == QUANT_Q4_K) {
+                if (HAS_MINS(qtype)) {
                     const __m512 dxs = _mm512_set1_ps(x->d[xb] * (float)x->s[xb]);
                     y = _mm512_fmadd_ps(_mm512_mul_ps(s, dx), a[z], y);
                     y = _mm512_fnmadd_ps(b[z], dxs, y);
@@ -787,8 +813,9 @@ QTILE_FN(tile_q4_0, QUANT_Q4_0)
 QTILE_FN(tile_q4_k, QUANT_Q4_K)
 QTILE_FN(tile_q5_0, QUANT_Q5_0)
 QTILE_FN(tile_q6_k, QUANT_Q6_K)
+QTILE_FN(tile_q5_k, QUANT_Q5_K)
 
-/* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but Q4_K (whose larger per-block epilogue
+/* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but Q4_K and Q5_K (whose larger epilogue
  * gains nothing from it) and Q6_K (whose two half sums would need twice the registers). Fewer code
  * unpacks and x broadcasts per vpdpbusd: on an AMX Xeon a batch of 16 of a 1B model ran 1.09x (Q4_0 and
  * Q8_0, scripts/quant_modes_ab.py); kernels/quant_linear.py times it against MR-row tiles at load and
@@ -798,7 +825,7 @@ static int wide_tiles = 0;
 void gemm_quant_set_wide_tiles(int on) { wide_tiles = on; }
 
 static inline int tile_height(int qtype) {
-    return wide_tiles && qtype != QUANT_Q4_K && qtype != QUANT_Q6_K ? MR_WIDE : MR;
+    return wide_tiles && !HAS_MINS(qtype) && qtype != QUANT_Q6_K ? MR_WIDE : MR;
 }
 
 /* The next task's panels come into L2 while this one computes from L2, a slice per micro-tile after its
@@ -838,6 +865,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
         else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
         else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
         else if (qtype == QUANT_Q6_K) tile_q6_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
+        else if (qtype == QUANT_Q5_K) tile_q5_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, kab);
         else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, kab);
     }
 }
@@ -865,7 +893,7 @@ static int single_stream_rows = 0;
 void gemm_quant_set_single_stream(int max_rows) { single_stream_rows = max_rows; }
 
 static int check_shape(int qtype, int64_t N, int64_t K) {
-    return qtype >= 0 && qtype <= QUANT_Q6_K && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
+    return qtype >= 0 && qtype <= QUANT_Q5_K && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
 }
 
 /* A task's rows of y (rows ldy apart, from column col0, width wide) in y's dtype, from tmp's fp32 (bf16 y)
@@ -929,12 +957,13 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
  * time: src[from + u unit ..] of lane l goes to dst[to + (16 u + l) unit ..]. */
 typedef struct { int from, to, bytes, unit; } Piece;
 
-static const Piece PIECES[5][4] = {
+static const Piece PIECES[6][5] = {
     {{0, 0, 2, 2}, {2, 32, 32, 4}},                                    /* Q8_0: d | codes */
     {{0, 0, 2, 2}, {2, 32, 16, 4}},                                    /* Q4_0: d | qs */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
     {{0, 0, 2, 2}, {6, 96, 16, 4}},                                    /* Q5_0: d | qs (hb: below) */
     {{208, 0, 2, 2}, {192, 32, 16, 1}},                                /* Q6_K: d | scales (codes: below) */
+    {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {48, 256, 128, 4}, {16, K5_HIGH, 32, 4}},  /* Q5_K: Q4_K's | qh */
 };
 
 /* Q5_0's qh (bit k: the fifth bit of K k) of row lane -> hb byte t: bit g = the fifth bit of K 4 g + t. */
@@ -975,7 +1004,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
             if (qtype == QUANT_Q6_K) memset(dst, 0, (size_t)PANEL_BYTES[qtype]);  /* pack_q6_k_codes ORs bits in */
             for (int l = 0; l < NR; l++) {
                 const uint8_t *src = (const uint8_t *)blocks + ((p * NR + l) * nb + j) * bb;
-                for (int i = 0; i < 4 && PIECES[qtype][i].bytes > 0; i++) {
+                for (int i = 0; i < 5 && PIECES[qtype][i].bytes > 0; i++) {
                     const Piece pc = PIECES[qtype][i];
                     for (int u = 0; u < pc.bytes / pc.unit; u++)
                         memcpy(dst + pc.to + (NR * u + l) * pc.unit, src + pc.from + u * pc.unit, (size_t)pc.unit);
