@@ -21,7 +21,7 @@
  *           of a 32-block has its own integer sum, times its scale (Numerics), and a = d.
  *
  * Layout (kernels/quant_linear.py packs it once at load from GGUF's blocks; the same bytes, reordered): the
- * weight is cut into panels of 16 output rows, and each panel into its blocks along K (32 weights, Q4_K:
+ * weight is cut into panels of 16 output rows, and each panel into its blocks along K (32 weights, K-quants:
  * 256), one after another; in a panel block each row's bytes of a kind sit side by side, so a 64-byte line
  * holds one group of 4 K of all 16 rows: the vpdpbusd operand whose 16 lanes are the panel's 16 outputs
  * (no horizontal sums, as gemm_bf16.c). With l a row of the panel (0..15):
