@@ -4,8 +4,8 @@ For each named shape (benchmarks/shapes.py: random weights, the published config
 folder, converts it with llama.cpp's own `convert_hf_to_gguf.py` to a dense GGUF (bf16 and/or f32) and
 requantizes that file to Q8_0 / Q4_0 / Q4_K (scripts/quantize_gguf.py, gguf-py's reference rounding, every
 matrix), or to llama-quantize's own mixes (q4_k_m: Q4_K with Q6_K / Q5_0 / Q8_0 matrices where llama.cpp
-puts them; q5_k_m: Q5_K with Q6_K / Q5_1 / Q8_0; needs `build/bin/llama-quantize`). Both servers then load the very same file. Against each, in
-turn, one server up at a time:
+puts them; q5_k_m: Q5_K with Q6_K / Q5_1 / Q8_0; needs `build/bin/llama-quantize`). Both servers then
+load the very same file. Against each, in turn, one server up at a time:
 
     single   one stream: --num-single requests one after another
     batch    --batch-size requests at once

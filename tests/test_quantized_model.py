@@ -163,8 +163,9 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     for layer in (5, 15):  # Q6_K, Q5_K
         down_k = reader[f"blk.{layer}.ffn_down.weight"]
         down_k_dense = torch.from_numpy(gguf.quants.dequantize(down_k.data, down_k.tensor_type))
-        assert torch.equal(quantized_rows(torch.arange(down_k_dense.shape[0]), model.layers[layer].down_proj.data,
-                                          torch.float32), down_k_dense)
+        served_k = quantized_rows(torch.arange(down_k_dense.shape[0]), model.layers[layer].down_proj.data,
+                                  torch.float32)
+        assert torch.equal(served_k, down_k_dense)
     _check_against_dequantized(llm, {"q4_0", "q8_0", "q5_0", "q5_k", "q6_k"})
 
 

@@ -1,4 +1,4 @@
-"""Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K) kept quantized: csrc/gemm_quant.c.
+"""Linear layers on weights kept in GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K): csrc/gemm_quant.c.
 
 A weight arrives as GGUF's blocks, a uint8 tensor [N, K / block, block_bytes] (one row of blocks per
 output; `raw_blocks` views a GGUF tensor so). `pack_blocks` reorders those bytes once, at load, into

@@ -73,7 +73,7 @@ def dequantize(blocks: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def quantize_k_with_mins(values: np.ndarray, bits: int) -> np.ndarray:
-    """[N, K] fp32 (K % 256 == 0) -> Q4_K (bits 4) bytes [N, K / 256 * 144] or Q5_K (bits 5) [N, K / 256 * 176]."""
+    """[N, K] fp32 (K % 256 == 0) -> Q4_K bytes [N, K / 256 * 144] (bits 4) or Q5_K [N, K / 256 * 176] (5)."""
     n, k = values.shape
     top = (1 << bits) - 1
     sub = values.reshape(n, k // 256, 8, 32).astype(np.float32)

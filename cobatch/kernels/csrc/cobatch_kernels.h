@@ -168,7 +168,7 @@ typedef struct {
 int decoder_forward(const Shape *s, const Layer *layers, int num_layers, const void *final_norm, const Step *st,
                     const Buffers *b, int threads);
 
-/* ------------------------------------------- gemm_quant.c: GEMM on GGUF-quantized weights (Q8_0, Q4_*, Q5_*, Q6_K) */
+/* ----------------------------- gemm_quant.c: GEMM on GGUF-quantized weights (Q8_0, Q4_*, Q5_*, Q6_K) */
 
 /* qtype of the quantized entry points; the packed layouts are gemm_quant.c's (kernels/quant_linear.py). */
 enum { QUANT_Q8_0 = 0, QUANT_Q4_0 = 1, QUANT_Q4_K = 2, QUANT_Q5_0 = 3, QUANT_Q6_K = 4, QUANT_Q5_K = 5 };

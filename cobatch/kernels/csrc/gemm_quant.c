@@ -48,8 +48,8 @@
  * run of them (at decode sizes: its part of the weight, streamed in order). A micro-tile of MR rows x NZ
  * panels keeps 2 MR NZ vectors (the block's integer sums and the fp32 results) in registers. A task's first
  * micro-tile reads its panels from memory, the others from L2, and those bring the next task's panels
- * into L2 as they go (ahead_slice); Q4_K's scales, unpacked by the first, are kept for the others
- * (ScaleCache; Q5_K's too). Calls of one or two rows can instead take one panel per task, one stream per thread
+ * into L2 as they go (ahead_slice); Q4_K's and Q5_K's scales, unpacked by the first, are kept for the
+ * others (ScaleCache). Calls of one or two rows can instead take one panel per task, one stream per thread
  * (single-stream mode; the VNNI path prefetches it further ahead), and the VNNI path micro-tiles of 8
  * rows with the fp32 results in L1 (wide tiles); both are chosen per CPU at load
  * (gemm_quant_set_single_stream, gemm_quant_set_wide_tiles).
@@ -267,8 +267,8 @@ static inline const uint8_t *panel_block(int qtype, const uint8_t *w, int64_t K,
     return w + (panel * blocks + j * QB / BLOCK_K[qtype]) * PANEL_BYTES[qtype];
 }
 
-/* Q4_K's and Q5_K's (a, b) of a task's sub-blocks, kept for its micro-tiles of rows after the first: that one unpacks
- * them from the 6-bit scales and stores them here, the others load them instead of unpacking them again
+/* Q4_K's and Q5_K's (a, b) of a task's sub-blocks, kept for its micro-tiles of rows after the first: that
+ * one unpacks them from the 6-bit scales and stores them here, the others load them instead of unpacking them again
  * (VNNI: at[((j NZ + z) 2 + {0: a, 1: b}) 16 + lane]; AVX2, a panel at a time: z = 0). at NULL: each tile
  * unpacks its own (a task of one tile, or out of memory). */
 #if QUANT_PATH != QUANT_PLAIN
@@ -309,7 +309,8 @@ INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
                ((load_lanes(v + 128) >> 2) & 0x30303030u);
     }
     if (HAS_MINS(qtype)) {
-        const LaneWords lo = (load_lanes(blk + 256 + 512 * ((j % 8) / 2) + 64 * g) >> (j % 2 ? 4 : 0)) & 0x0f0f0f0fu;
+        const LaneWords v = load_lanes(blk + 256 + 512 * ((j % 8) / 2) + 64 * g);
+        const LaneWords lo = (v >> (j % 2 ? 4 : 0)) & 0x0f0f0f0fu;
         if (qtype == QUANT_Q4_K) return lo;
         return lo | (((load_lanes(blk + K5_HIGH + 64 * g) >> (j % 8)) & 0x01010101u) << 4);  /* Q5_K */
     }
@@ -596,8 +597,8 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
         return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x10), 0xF8);
     }
     const __m512i v = _mm512_loadu_si512(blk + 256 + 512 * ((j % 8) / 2) + 64 * g);
-    if (qtype == QUANT_Q4_K) return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
     const __m512i lo = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+    if (qtype == QUANT_Q4_K) return lo;
     /* Q5_K: 16 more where bit j of the hb byte is set (j is not a literal here, as Q5_0's g is: a test
      * against a mask, not a shift by j) */
     const __mmask64 fifth = _mm512_test_epi8_mask(_mm512_loadu_si512(blk + K5_HIGH + 64 * g),
@@ -963,7 +964,7 @@ static const Piece PIECES[6][5] = {
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
     {{0, 0, 2, 2}, {6, 96, 16, 4}},                                    /* Q5_0: d | qs (hb: below) */
     {{208, 0, 2, 2}, {192, 32, 16, 1}},                                /* Q6_K: d | scales (codes: below) */
-    {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {48, 256, 128, 4}, {16, K5_HIGH, 32, 4}},  /* Q5_K: Q4_K's | qh */
+    {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {48, 256, 128, 4}, {16, K5_HIGH, 32, 4}},  /* Q5_K: + qh */
 };
 
 /* Q5_0's qh (bit k: the fifth bit of K k) of row lane -> hb byte t: bit g = the fifth bit of K 4 g + t. */
