@@ -33,18 +33,19 @@ def _weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torc
     return pack_blocks(blocks), dequantize(blocks, fmt)
 
 
-def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel quantizes it (per 32-block: d = max|x| / 127, q = round-half-even(x / d)), dequantized."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+def _quantized_activations(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x as the kernel quantizes it (per 32 values, per 256 for the K-quants: d = max|x| / 127,
+    q = round-half-even(x / d)), dequantized."""
+    blocks = x.float().reshape(x.shape[0], -1, 256 if FORMATS[fmt].block_size == 256 else 32)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
     return (torch.round(blocks * inv).clamp(-127, 127) * d).reshape(x.shape)
 
 
-def _check(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+def _check(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> None:
     """y against the exact sum of the quantized activations with the dequantized weights (fp64), tight,
     and against plain fp32 x @ W.T within the activations' quantization error."""
-    exact = _quantized_activations(x).double() @ dense.double().T
+    exact = _quantized_activations(x, fmt).double() @ dense.double().T
     plain = x.float() @ dense.T
     if bias is not None:
         exact, plain = exact + bias.double(), plain + bias.float()
@@ -62,7 +63,7 @@ def test_gemm_matches_the_dequantized_weights(fmt: str, k: int) -> None:
         assert packed.numel() == n * k // FORMATS[fmt].block_size * FORMATS[fmt].block_bytes  # same bytes
         for m in ROWS:
             x = torch.randn(m, k)
-            _check(quantized_linear(x, packed), x, dense)
+            _check(quantized_linear(x, packed), x, dense, fmt)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -79,7 +80,7 @@ def test_thread_count_changes_no_bits(fmt: str, threads: int) -> None:
         assert torch.equal(y[7:8], quantized_linear(x[7:8], packed))  # nor the batch around a row
     finally:
         torch.set_num_threads(before)
-    _check(y, x, dense)
+    _check(y, x, dense, fmt)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -107,7 +108,7 @@ def test_single_stream_mode_changes_no_bits(fmt: str) -> None:
         torch.set_num_threads(before)
         kernel.set_single_stream(0)
         kernel.set_single_prefetch(1)
-    _check(want[-1], x, dense)
+    _check(want[-1], x, dense, fmt)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -133,7 +134,7 @@ def test_wide_tiles_change_no_bits(fmt: str) -> None:
     finally:
         torch.set_num_threads(before)
         kernel.set_wide_tiles(0)
-    _check(want, x, dense)
+    _check(want, x, dense, fmt)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -142,11 +143,11 @@ def test_bias_bf16_and_batch_dims(fmt: str) -> None:
     x, bias = torch.randn(2, 5, 256), torch.randn(48)
     y = quantized_linear(x, packed, bias)
     assert y.shape == (2, 5, 48)
-    _check(y.reshape(10, 48), x.reshape(10, 256), dense, bias)
+    _check(y.reshape(10, 48), x.reshape(10, 256), dense, fmt, bias)
     x16, bias16 = x.bfloat16(), bias.bfloat16()
     y16 = quantized_linear(x16, packed, bias16)
     assert y16.dtype == torch.bfloat16
-    exact = _quantized_activations(x16.reshape(10, 256)).double() @ dense.double().T + bias16.double()
+    exact = _quantized_activations(x16.reshape(10, 256), fmt).double() @ dense.double().T + bias16.double()
     assert torch.allclose(y16.reshape(10, 48).double(), exact, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
 
 
@@ -201,7 +202,7 @@ def test_other_paths_match(flag: str) -> None:
         for rows in (5, 130):
             x = torch.randn(rows, 256)
             y = kernel(x, packed)
-            _check(y, x, dense)
+            _check(y, x, dense, fmt)
             assert torch.allclose(y, quantized_linear(x, packed), rtol=1e-5, atol=1e-5 * y.abs().max().item())
     blocks, x = _extreme_q8_0(32, 64)
     y, want = kernel(x, kernel.pack(blocks)), x.double() @ dequantize(blocks, "q8_0").double().T

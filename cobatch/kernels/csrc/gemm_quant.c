@@ -5,17 +5,18 @@
  * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
  * Q5_0 and Q5_K 0.69, Q4_0 and Q4_K 0.56. Dequantizing at load would give that back.
  *
- * Activations: each row of x is quantized on the fly, per block of 32, to int8 (scale dx = max|x| / 127,
- * q = round-to-nearest-even(x / dx)), and the sum of each block's q kept (llama.cpp's Q8_0/Q8_1
- * activations; and the sum of each half, for Q6_K). A weight block's dot with it is then one integer sum
+ * Activations: each row of x is quantized on the fly to int8 (scale dx = max|x| / 127, q =
+ * round-to-nearest-even(x / dx)) per block of 32, or per 256 for the K-quants (llama.cpp's Q8_0 / Q8_K
+ * activations), and the sum of each 32-block's q kept (and of each half, for Q6_K). A weight block's dot
+ * with it is then one integer sum
  * (Q6_K: one per 16 weights), taken 4 products at a time by
  * AVX-512 VNNI's vpdpbusd (u8 x s8): the weight side is the unsigned operand, as a code c = w / a + o in
  * 0..255 with a per-block offset o, so sum(w x) = dx * a * (sum(c q) - o sum(q)):
  *     Q8_0: c = w + 128 (its int8 with the sign bit flipped, done once at packing), a = d, o = 128;
  *     Q4_0: c = the 4-bit code 0..15, a = d, o = 8;
  *     Q5_0: c = the 5-bit code 0..31 (4 low bits as Q4_0's, the fifth from qh), a = d, o = 16;
- *     Q4_K: c = the 4-bit code, per 32-weight sub-block a = d * scale, and w = a c - dmin * min, so
- *           sum(w x) = dx * (a sum(c q) - dmin * min * sum(q));
+ *     Q4_K: c = the 4-bit code, per 32-weight sub-block i w = d scale_i c - dmin min_i, so over a
+ *           256-block sum(w x) = dx (d sum_i scale_i sum(c q) - dmin sum_i min_i sum(q)) (Numerics);
  *     Q5_K: as Q4_K, c the 5-bit code 0..31 (4 low bits as Q4_K's, the fifth from qh);
  *     Q6_K: c = the 6-bit code 0..63, per 16-weight sub-block a = d * scale (int8), o = 32: each half
  *           of a 32-block has its own integer sum, times its scale (Numerics), and a = d.
@@ -48,8 +49,7 @@
  * run of them (at decode sizes: its part of the weight, streamed in order). A micro-tile of MR rows x NZ
  * panels keeps 2 MR NZ vectors (the block's integer sums and the fp32 results) in registers. A task's first
  * micro-tile reads its panels from memory, the others from L2, and those bring the next task's panels
- * into L2 as they go (ahead_slice); Q4_K's and Q5_K's scales, unpacked by the first, are kept for the
- * others (ScaleCache). Calls of one or two rows can instead take one panel per task, one stream per thread
+ * into L2 as they go (ahead_slice). Calls of one or two rows can instead take one panel per task, one stream per thread
  * (single-stream mode; the VNNI path prefetches it further ahead), and the VNNI path micro-tiles of 8
  * rows with the fp32 results in L1 (wide tiles); both are chosen per CPU at load
  * (gemm_quant_set_single_stream, gemm_quant_set_wide_tiles).
@@ -57,7 +57,10 @@
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
  * row's result does not depend on M, the tiling or the thread count. Q6_K's two half sums are multiplied by
  * their int8 scales and added as integers (|sum| <= 2 x 128 x 16 x 32 x 127 < 2^24: exact in fp32 too), so
- * its block is scaled once, by d dx, as the others are. Quantizing x costs what it costs
+ * its block is scaled once, by d dx, as the others are. The K-quants go further: a 256-block's sub-block
+ * sums times their scales, and its mins times x's 32-block sums, are added up as integers (|sum| < 2^28),
+ * then turned to fp32 once per 256-block: fewer conversions and FMAs a block, where one stream of a
+ * K-quant is bound by them rather than by memory. Quantizing x costs what it costs
  * llama.cpp (about 0.4% of each block's largest value). Without AVX-512 VNNI the same arithmetic runs on the
  * same layout as AVX2 (each vpdpbusd as vpmaddubsw + vpmaddwd, a panel as two 8-lane halves), else (or with
  * -DQUANT_SCALAR) as plain C on 16-lane vectors.
@@ -120,15 +123,26 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
     return blk + 32 + 16 * (2 * (j % 8) + hf);
 }
 
-/* x quantized: codes [M, K] int8, per 32-block scale [M, K / 32] and sum of codes [M, K / 32], and the sum
- * of each 16-block's codes [M, K / 16] (Q6_K's sub-blocks). */
+/* The K-quants (256-weight blocks whose sub-blocks carry integer scales): x is quantized per 256 for them,
+ * so a whole block's integer sums add up as integers before one fp32 step (llama.cpp's Q8_K). */
+#define IS_K_QUANT(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q6_K)
+#define KB 256  /* weights per K-quant block, and per x scale for them */
+
+/* x quantized: codes [M, K] int8, a scale per `span` values (32, or KB for the K-quants) [M, K / span],
+ * the sum of each 32-block's codes [M, K / 32] and of each 16-block's [M, K / 16] (Q6_K's sub-blocks);
+ * int16 (|sum| <= 32 x 127), so two neighbours are one vpdpwssd operand. */
 typedef struct {
     int8_t *q;
     float *d;
-    int32_t *s;
-    int32_t *s16;
-    int64_t K;
+    int16_t *s;
+    int16_t *s16;
+    int64_t K, span;
 } QuantRows;
+
+/* Where the scale of row `row`'s 32-block j is in x->d: a macro, so that the kernels' span is a literal
+ * (a shift, not a 64-bit division in the epilogue of every block). */
+#define X_SPAN(qtype) (IS_K_QUANT(qtype) ? KB : QB)
+#define X_SCALE_AT(qtype, x, row, j) ((row) * ((x)->K / X_SPAN(qtype)) + (j) * QB / X_SPAN(qtype))
 
 static float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -147,58 +161,65 @@ static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2)
 
 /* ------------------------------------------------------------------------ activation quantization */
 
+/* Codes and sums of the 32 values of x at `at` (x's dtype) with the inverse scale id. */
 #if QUANT_VNNI
-/* Row `row` of x into r, per block of 32: scale, codes, sums (16-lane vectors; vcvtps2dq rounds to nearest
- * even, as nearbyintf does by default). */
-static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) {
-    const int64_t K = r->K;
+INLINE __m512 load_x16(const void *x, int is_bf16, int64_t at) {
+    return is_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at))), 16))
+                   : _mm512_loadu_ps((const float *)x + at);
+}
+
+static float span_amax(const void *x, int is_bf16, int64_t at, int64_t span) {
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-    for (int64_t j = 0; j < K / QB; j++) {
-        const int64_t at = row * K + j * QB;
-        __m512 v[2];
-        for (int h = 0; h < 2; h++)
-            v[h] = is_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                 _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at + 16 * h))), 16))
-                           : _mm512_loadu_ps((const float *)x + at + 16 * h);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], sign), _mm512_and_ps(v[1], sign)));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t half[2];
-        for (int h = 0; h < 2; h++) {
-            __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
-            c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-            _mm_storeu_si128((__m128i *)(r->q + at + 16 * h), _mm512_cvtepi32_epi8(c));
-            half[h] = _mm512_reduce_add_epi32(c);
-            r->s16[row * (K / 16) + 2 * j + h] = half[h];
-        }
-        r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = half[0] + half[1];
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < span; k += 16)
+        amax = _mm512_max_ps(amax, _mm512_and_ps(load_x16(x, is_bf16, at + k), sign));
+    return _mm512_reduce_max_ps(amax);
+}
+
+/* (16-lane vectors; vcvtps2dq rounds to nearest even, as nearbyintf does by default) */
+static void quantize_block(const void *x, int is_bf16, int64_t at, float id, QuantRows *r) {
+    for (int h = 0; h < 2; h++) {
+        __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(load_x16(x, is_bf16, at + 16 * h), _mm512_set1_ps(id)));
+        c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        _mm_storeu_si128((__m128i *)(r->q + at + 16 * h), _mm512_cvtepi32_epi8(c));
+        r->s16[at / 16 + h] = (int16_t)_mm512_reduce_add_epi32(c);
     }
+    r->s[at / QB] = (int16_t)(r->s16[at / 16] + r->s16[at / 16 + 1]);
 }
 #else
-/* Block j (32 values) of row `row` of x into r: scale, codes, sum. */
-static void quantize_block_scalar(const void *x, int is_bf16, int64_t row, int64_t j, QuantRows *r) {
-    const int64_t K = r->K, at = row * K + j * QB;
-    float v[QB], amax = 0.0f;
-    for (int t = 0; t < QB; t++) {
-        v[t] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[at + t]) : ((const float *)x)[at + t];
-        const float a = v[t] < 0 ? -v[t] : v[t];
-        amax = a > amax ? a : amax;
+static float span_amax(const void *x, int is_bf16, int64_t at, int64_t span) {
+    float amax = 0.0f;
+    for (int64_t k = at; k < at + span; k++) {
+        const float v = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+        amax = fabsf(v) > amax ? fabsf(v) : amax;
     }
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    return amax;
+}
+
+static void quantize_block(const void *x, int is_bf16, int64_t at, float id, QuantRows *r) {
     int32_t half[2] = {0, 0};
     for (int t = 0; t < QB; t++) {
-        float c = nearbyintf(v[t] * id);
+        const float v = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[at + t]) : ((const float *)x)[at + t];
+        float c = nearbyintf(v * id);
         c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
         r->q[at + t] = (int8_t)c;
         half[t / 16] += (int32_t)c;
     }
-    r->s16[row * (K / 16) + 2 * j] = half[0], r->s16[row * (K / 16) + 2 * j + 1] = half[1];
-    r->d[row * (K / QB) + j] = d, r->s[row * (K / QB) + j] = half[0] + half[1];
-}
-
-static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) {
-    for (int64_t j = 0; j < r->K / QB; j++) quantize_block_scalar(x, is_bf16, row, j, r);
+    r->s16[at / 16] = (int16_t)half[0], r->s16[at / 16 + 1] = (int16_t)half[1];
+    r->s[at / QB] = (int16_t)(half[0] + half[1]);
 }
 #endif
+
+/* Row `row` of x into r: per span, its scale dx = max|x| / 127, then its 32-blocks' codes q = round-half-
+ * even(x / dx) and sums. */
+static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) {
+    for (int64_t at = row * r->K; at < (row + 1) * r->K; at += r->span) {
+        const float d = span_amax(x, is_bf16, at, r->span) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int64_t k = 0; k < r->span; k += QB) quantize_block(x, is_bf16, at + k, id, r);
+        r->d[at / r->span] = d;
+    }
+}
 
 /* ----------------------------------------------------------------------------- per-block scales */
 
@@ -267,24 +288,6 @@ static inline const uint8_t *panel_block(int qtype, const uint8_t *w, int64_t K,
     return w + (panel * blocks + j * QB / BLOCK_K[qtype]) * PANEL_BYTES[qtype];
 }
 
-/* Q4_K's and Q5_K's (a, b) of a task's sub-blocks, kept for its micro-tiles of rows after the first: that
- * one unpacks them from the 6-bit scales and stores them here, the others load them instead of unpacking them again
- * (VNNI: at[((j NZ + z) 2 + {0: a, 1: b}) 16 + lane]; AVX2, a panel at a time: z = 0). at NULL: each tile
- * unpacks its own (a task of one tile, or out of memory). */
-#if QUANT_PATH != QUANT_PLAIN
-typedef struct {
-    float *at;
-    int store;
-} ScaleCache;
-#endif
-
-/* A thread's room for ScaleCache, taken once per call: NULL where no task can have two tiles of rows (or
- * the plain path, which decodes a block once for all rows anyway). */
-static float *scale_cache(int qtype, int64_t K, int64_t M) {
-    const int used = QUANT_PATH != QUANT_PLAIN && HAS_MINS(qtype) && M > 1;
-    return used ? malloc(sizeof(float) * (size_t)(K / QB * NZ * 2 * NR)) : NULL;
-}
-
 /* ------------------------------------------------------------------------------ the plain C path */
 
 #if QUANT_PATH == QUANT_PLAIN
@@ -328,33 +331,46 @@ INLINE void block_codes(int qtype, const uint8_t *blk, int j, LaneInts ct[QB]) {
     }
 }
 
+/* The K-quants' integer scales of 32-block j, per lane: Q4_K / Q5_K its scale and min, Q6_K each half's
+ * scale (sc[0], sc[1]). */
+INLINE void k_scales(int qtype, const uint8_t *blk, int j, LaneInts sc[2], LaneInts *mn) {
+    for (int lane = 0; lane < NR; lane++) {
+        if (qtype == QUANT_Q6_K) {
+            for (int hf = 0; hf < 2; hf++) sc[hf][lane] = (int8_t)q6_scales(blk, j, hf)[lane];
+            continue;
+        }
+        uint8_t q[12];
+        for (int i = 0; i < 3; i++) memcpy(q + 4 * i, blk + 64 + 64 * i + 4 * lane, 4);
+        int s, m;
+        k4_scale_min(q, j % 8, &s, &m);
+        sc[0][lane] = s, (*mn)[lane] = m;
+    }
+}
+
+INLINE LaneFloats fp16_lanes(const uint8_t *p) {
+    LaneFloats v;
+    for (int lane = 0; lane < NR; lane++) v[lane] = f16_to_f32(load_u16(p + 2 * lane));
+    return v;
+}
+
 /* y rows m0 .. m0 + rows, columns of panels p0 .. p0 + nz, fp32 into out (ldo floats apart): each 32-block
- * of a panel decoded once for all rows, each row's result added up block by block in K order. */
+ * of a panel decoded once for all rows, each row's result added up block by block in K order (the
+ * K-quants: a 256-block's integer sums first, ksum and kmin). */
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
                       int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
-                      int prefetch, float *scales) {
-    (void)next, (void)next_bytes, (void)prefetch, (void)scales;  /* no prefetching, no scale cache here */
+                      int prefetch) {
+    (void)next, (void)next_bytes, (void)prefetch;  /* no prefetching here */
     const int64_t nb = K / QB;
     const int32_t off = (int32_t)code_offset(qtype);
     const int halves = sums_per_block(qtype), span = QB / halves;
+    static _Thread_local LaneInts ksum[MC], kmin[MC];  /* the K-quants' sums over their 256-block so far */
     for (int z = 0; z < nz; z++) {
         for (int64_t m = 0; m < rows; m++) memset(out + m * ldo + z * NR, 0, NR * sizeof(float));
         for (int64_t j = 0; j < nb; j++) {
             const uint8_t *blk = panel_block(qtype, w, K, p0 + z, j);
-            LaneInts ct[QB];
+            LaneInts ct[QB], sc[2] = {{0}}, mn = {0};
             block_codes(qtype, blk, (int)j, ct);
-            float ab[2][NR];
-            LaneFloats a, b;
-            LaneInts sc[2];  /* Q6_K: each half's int8 scale, applied to its integer sum; a is d alone */
-            for (int lane = 0; lane < NR; lane++) {
-                if (halves == 1) {
-                    block_ab(qtype, blk, lane, (int)j, 0, &ab[0][lane], &ab[1][lane]);
-                    continue;
-                }
-                ab[0][lane] = ab[1][lane] = f16_to_f32(load_u16(blk + 2 * lane));
-                for (int hf = 0; hf < 2; hf++) sc[hf][lane] = (int8_t)q6_scales(blk, j, hf)[lane];
-            }
-            memcpy(&a, ab[0], sizeof a), memcpy(&b, ab[1], sizeof b);
+            if (IS_K_QUANT(qtype)) k_scales(qtype, blk, (int)j, sc, &mn);
             for (int64_t m = 0; m < rows; m++) {
                 const int8_t *xq = x->q + (m0 + m) * K + j * QB;
                 const int64_t xb = (m0 + m) * nb + j;
@@ -365,12 +381,21 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
                     const int32_t xs = halves == 2 ? x->s16[2 * xb + hf] : x->s[xb];
                     LaneInts half = (LaneInts){0} + (HAS_MINS(qtype) ? 0 : -off * xs);
                     for (int k = hf * span; k < (hf + 1) * span; k++) half += ct[k] * (int32_t)xq[k];
-                    sum += halves == 2 ? half * sc[hf] : half;
+                    sum += IS_K_QUANT(qtype) ? half * sc[hf] : half;
                 }
-                const LaneFloats s = __builtin_convertvector(sum, LaneFloats);
+                const float dx = x->d[X_SCALE_AT(qtype, x, m0 + m, j)];
                 LaneFloats y;
                 memcpy(&y, out + m * ldo + z * NR, sizeof y);
-                y += HAS_MINS(qtype) ? s * x->d[xb] * a - b * (x->d[xb] * (float)x->s[xb]) : s * (a * x->d[xb]);
+                if (!IS_K_QUANT(qtype)) y += __builtin_convertvector(sum, LaneFloats) * (fp16_lanes(blk) * dx);
+                else {
+                    ksum[m] = (j % 8 ? ksum[m] : (LaneInts){0}) + sum;
+                    kmin[m] = (j % 8 ? kmin[m] : (LaneInts){0}) + mn * (int32_t)x->s[xb];
+                }
+                if (IS_K_QUANT(qtype) && j % 8 == 7) {
+                    y += __builtin_convertvector(ksum[m], LaneFloats) * (fp16_lanes(blk) * dx);
+                    if (HAS_MINS(qtype))
+                        y -= __builtin_convertvector(kmin[m], LaneFloats) * (fp16_lanes(blk + 32) * dx);
+                }
                 memcpy(out + m * ldo + z * NR, &y, sizeof y);
             }
         }
@@ -416,28 +441,23 @@ INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
     return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
 }
 
-/* Q4_K, Q5_K: half h of sub-block j's a = d * scale and b = dmin * min (k4_ab's arithmetic on 8 lanes). */
-INLINE void k4_ab_half(const uint8_t *blk, int j, int h, __m256 *a, __m256 *b) {
+/* Q4_K, Q5_K: half h of sub-block j's 6-bit scale and min, one per lane (GGUF's get_scale_min_k4). */
+INLINE void k4_scale_min_half(const uint8_t *blk, int j, int h, __m256i *sc, __m256i *mn) {
     const __m256i d0 = load256(blk + 64 + 32 * h), d1 = load256(blk + 128 + 32 * h);
     const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(15), m2 = _mm256_set1_epi32(3);
-    __m256i sc, mn;
     if (j < 4) {
         const __m128i sh = _mm_cvtsi32_si128(8 * j);
-        sc = _mm256_and_si256(_mm256_srl_epi32(d0, sh), m6);
-        mn = _mm256_and_si256(_mm256_srl_epi32(d1, sh), m6);
-    } else {
-        const __m256i d2 = load256(blk + 192 + 32 * h);
-        const int i = j - 4;
-        const __m128i lo = _mm_cvtsi32_si128(8 * i), hi4 = _mm_cvtsi32_si128(8 * i + 4),
-                      top = _mm_cvtsi32_si128(8 * i + 6);
-        sc = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(d2, lo), m4),
-                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(d0, top), m2), 4));
-        mn = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(d2, hi4), m4),
-                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(d1, top), m2), 4));
+        *sc = _mm256_and_si256(_mm256_srl_epi32(d0, sh), m6);
+        *mn = _mm256_and_si256(_mm256_srl_epi32(d1, sh), m6);
+        return;
     }
-    *a = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h))), _mm256_cvtepi32_ps(sc));
-    *b = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h))),
-                       _mm256_cvtepi32_ps(mn));
+    const __m256i d2 = load256(blk + 192 + 32 * h);
+    const int i = j - 4;
+    const __m128i lo = _mm_cvtsi32_si128(8 * i), hi4 = _mm_cvtsi32_si128(8 * i + 4), top = _mm_cvtsi32_si128(8 * i + 6);
+    *sc = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(d2, lo), m4),
+                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(d0, top), m2), 4));
+    *mn = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(d2, hi4), m4),
+                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(d1, top), m2), 4));
 }
 
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
@@ -452,22 +472,31 @@ INLINE __m256i dot4(__m256i sum, __m256i c, __m256i x) {
 #endif
 
 /* y[0..mr, 0..16) (fp32, ldo apart) = rows m0.. of x against panel p; `stream`: the first micro-tile of the
- * panel, which reads it from memory, asks for the 32-block PREFETCH_J2 ahead. */
+ * panel, which reads it from memory, asks for the 32-block PREFETCH_J2 ahead. The K-quants add up a
+ * 256-block's integer sums (times their scales; mins times x's sums: kmin) before one fp32 step. */
 INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p,
-                 float *out, int64_t ldo, int stream, ScaleCache kab) {
+                 float *out, int64_t ldo, int stream) {
     __m256 acc[MR2][2];
     for (int m = 0; m < MR2; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     const int64_t nb = K / QB;
     const int32_t off = HAS_MINS(qtype) || qtype == QUANT_Q8_0 ? 0 : (int32_t)code_offset(qtype);
     const int halves = sums_per_block(qtype), span = 8 / halves;  /* span: code vectors per integer sum */
+    __m256i ksum[MR2][2] = {{_mm256_setzero_si256()}}, kmin[MR2][2] = {{_mm256_setzero_si256()}};
     for (int64_t j = 0; j < nb; j++) {
+        const int jj = (int)(j % 8);
         const uint8_t *blk = panel_block(qtype, w, K, p, j);
         if (stream) {
             const int64_t step = PANEL_BYTES[qtype] * QB / BLOCK_K[qtype];  /* a 32-block's bytes */
             const uint8_t *ahead = panel_block(qtype, w, K, p, 0) + (j + PREFETCH_J2) * step;
             for (int64_t b = 0; b < step; b += 64) _mm_prefetch((const char *)ahead + b, _MM_HINT_T0);
         }
-        /* the block's integer sum: Q6_K's halves times their scales (zeroed: gcc does not see hf 0 set it) */
+        __m256i sc[2][2], mn[2];  /* the K-quants' scales per half of the lanes ([hf][h]; Q4_K, Q5_K: hf 0), mins */
+        for (int h = 0; h < 2; h++) {
+            if (HAS_MINS(qtype)) k4_scale_min_half(blk, jj, h, &sc[0][h], &mn[h]);
+            for (int hf = 0; hf < halves && qtype == QUANT_Q6_K; hf++)
+                sc[hf][h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q6_scales(blk, j, hf) + 8 * h)));
+        }
+        /* the block's integer sum, the K-quants' times their scales (zeroed: gcc does not see hf 0 set it) */
         __m256i sum[MR2][2] = {{_mm256_setzero_si256()}};
         for (int hf = 0; hf < halves; hf++) {
             __m256i half[MR2][2];
@@ -480,7 +509,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             for (int g = hf * span; g < (hf + 1) * span; g++) {
                 __m256i c[2], sign[2];
                 for (int h = 0; h < 2; h++) {
-                    c[h] = half_codes(qtype, blk, (int)(j % 8), g, h);
+                    c[h] = half_codes(qtype, blk, jj, g, h);
                     if (qtype == QUANT_Q8_0) sign[h] = _mm256_xor_si256(c[h], _mm256_set1_epi8((char)0x80)),
                                              c[h] = _mm256_abs_epi8(sign[h]);
                 }
@@ -491,36 +520,35 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                         half[m][h] = dot4(half[m][h], c[h], qtype == QUANT_Q8_0 ? _mm256_sign_epi8(xq, sign[h]) : xq);
                 }
             }
-            for (int h = 0; h < 2; h++) {
-                const __m256i sc = halves == 1 ? _mm256_setzero_si256() : _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                    (const __m128i *)(q6_scales(blk, j, hf) + 8 * h)));
 #pragma GCC unroll 4
-                for (int m = 0; m < mr; m++) {
-                    if (halves == 1) sum[m][h] = half[m][h];
-                    else if (hf == 0) sum[m][h] = _mm256_mullo_epi32(half[m][h], sc);
-                    else sum[m][h] = _mm256_add_epi32(sum[m][h], _mm256_mullo_epi32(half[m][h], sc));
+            for (int m = 0; m < mr; m++)
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = IS_K_QUANT(qtype) ? _mm256_mullo_epi32(half[m][h], sc[hf][h]) : half[m][h];
+                    sum[m][h] = hf == 0 ? v : _mm256_add_epi32(sum[m][h], v);
                 }
-            }
         }
-        __m256 a[2], b[2];
-        for (int h = 0; h < 2; h++) {
-            float *cached = kab.at != NULL ? kab.at + j * 2 * NR + 8 * h : NULL;
-            if (HAS_MINS(qtype) && cached != NULL && !kab.store)
-                a[h] = _mm256_loadu_ps(cached), b[h] = _mm256_loadu_ps(cached + NR);
-            else if (HAS_MINS(qtype)) {
-                k4_ab_half(blk, (int)(j % 8), h, &a[h], &b[h]);
-                if (cached != NULL) _mm256_storeu_ps(cached, a[h]), _mm256_storeu_ps(cached + NR, b[h]);
-            } else a[h] = b[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
-        }
+        if (IS_K_QUANT(qtype)) {
 #pragma GCC unroll 4
-        for (int m = 0; m < mr; m++) {
-            const int64_t xb = (m0 + m) * nb + j;
-            const __m256 dx = _mm256_set1_ps(x->d[xb]), dxs = _mm256_set1_ps(x->d[xb] * (float)x->s[xb]);
-            for (int h = 0; h < 2; h++) {
-                const __m256 s = _mm256_cvtepi32_ps(sum[m][h]);
+            for (int m = 0; m < mr; m++)
+                for (int h = 0; h < 2; h++) {
+                    const __m256i xs = _mm256_set1_epi32(x->s[(m0 + m) * nb + j]);
+                    ksum[m][h] = jj == 0 ? sum[m][h] : _mm256_add_epi32(ksum[m][h], sum[m][h]);
+                    if (HAS_MINS(qtype))
+                        kmin[m][h] = _mm256_add_epi32(jj == 0 ? _mm256_setzero_si256() : kmin[m][h],
+                                                      _mm256_mullo_epi32(mn[h], xs));
+                }
+            if (jj < 7) continue;
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+#pragma GCC unroll 4
+            for (int m = 0; m < mr; m++) {
+                const __m256 dx = _mm256_set1_ps(x->d[X_SCALE_AT(qtype, x, m0 + m, j)]);
+                const __m256 s = _mm256_cvtepi32_ps(IS_K_QUANT(qtype) ? ksum[m][h] : sum[m][h]);
+                acc[m][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(a, dx), acc[m][h]);
                 if (HAS_MINS(qtype))
-                    acc[m][h] = _mm256_fnmadd_ps(b[h], dxs, _mm256_fmadd_ps(_mm256_mul_ps(s, dx), a[h], acc[m][h]));
-                else acc[m][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(a[h], dx), acc[m][h]);
+                    acc[m][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(kmin[m][h]), _mm256_mul_ps(dmin, dx), acc[m][h]);
             }
         }
     }
@@ -529,11 +557,11 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 }
 
 /* Each (format, mr) its own unrolled copy: the tile sizes must be literals for the registers. */
-#define QCASE2(R) case R: tile(qtype, x, m0, R, w, K, p, out, ldo, stream, kab); break;
+#define QCASE2(R) case R: tile(qtype, x, m0, R, w, K, p, out, ldo, stream); break;
 _Static_assert(MR2 == 4, "the tile cases below cover mr <= 4");
 #define QTILE_FN(NAME, QT)                                                                                   \
     static void NAME(const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p,          \
-                     float *out, int64_t ldo, int stream, ScaleCache kab) {                                  \
+                     float *out, int64_t ldo, int stream) {                                                  \
         const int qtype = QT;                                                                                \
         switch (mr) { QCASE2(1) QCASE2(2) QCASE2(3) QCASE2(4) default: break; }                               \
     }
@@ -548,21 +576,19 @@ QTILE_FN(tile_q5_k, QUANT_Q5_K)
  * every micro-tile of rows); the hardware prefetcher streams the panels. */
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
                       int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
-                      int prefetch, float *scales) {
+                      int prefetch) {
     (void)next, (void)next_bytes;
-    if (rows <= MR2) scales = NULL;  /* one tile of rows */
     for (int z = 0; z < nz; z++)
         for (int64_t m = 0; m < rows; m += MR2) {
             const int mr = (int)(rows - m < MR2 ? rows - m : MR2);
             float *o = out + m * ldo + z * NR;
             const int stream = m == 0 && prefetch;
-            const ScaleCache none = {NULL, 0}, kab = {scales, m == 0};
-            if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
-            else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
-            else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
-            else if (qtype == QUANT_Q6_K) tile_q6_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, none);
-            else if (qtype == QUANT_Q5_K) tile_q5_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, kab);
-            else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream, kab);
+            if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else if (qtype == QUANT_Q6_K) tile_q6_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else if (qtype == QUANT_Q5_K) tile_q5_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
         }
 }
 #else
@@ -606,33 +632,35 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
     return _mm512_mask_add_epi8(lo, fifth, lo, _mm512_set1_epi8(16));
 }
 
-/* Q4_K, Q5_K: a 256-block's d and dmin, per lane: the same for its 8 sub-blocks. */
-INLINE void k4_d(const uint8_t *blk, __m512 *d, __m512 *dmin) {
-    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    *dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+/* Q4_K, Q5_K: a 256-block's 6-bit scales (sm[0]: sub-blocks 0..3, sm[1]: 4..7) or mins (mins = 1), per
+ * lane, as bytes (byte i of a lane: sub-block 4 h + i; GGUF's get_scale_min_k4 on 4 at a time: 0xF8 is
+ * A | (B & C), bits 6, 7 of a byte of the first 8 moved to bits 4, 5 of its byte in the last 4). */
+INLINE void k4_unpack(const uint8_t *blk, int mins, __m512i sm[2]) {
+    const __m512i d = _mm512_loadu_si512(blk + 64 + 64 * mins), d2 = _mm512_loadu_si512(blk + 192);
+    const __m512i low = _mm512_and_si512(mins ? _mm512_srli_epi32(d2, 4) : d2, _mm512_set1_epi8(0x0f));
+    sm[0] = _mm512_and_si512(d, _mm512_set1_epi8(0x3f));
+    sm[1] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi32(d, 2), _mm512_set1_epi8(0x30), 0xF8);
 }
 
-/* Q4_K, Q5_K: sub-block j's a = d * scale and b = dmin * min, per lane (d, dmin: k4_d of its block). */
-INLINE void k4_ab(const uint8_t *blk, int j, __m512 d, __m512 dmin, __m512 *a, __m512 *b) {
-    const __m512i d0 = _mm512_loadu_si512(blk + 64), d1 = _mm512_loadu_si512(blk + 128);
-    const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(3);
-    __m512i sc, mn;
-    if (j < 4) {
-        const __m128i sh = _mm_cvtsi32_si128(8 * j);
-        sc = _mm512_and_si512(_mm512_srl_epi32(d0, sh), m6);
-        mn = _mm512_and_si512(_mm512_srl_epi32(d1, sh), m6);
-    } else {
-        const __m512i d2 = _mm512_loadu_si512(blk + 192);
-        const int i = j - 4;
-        const __m128i lo = _mm_cvtsi32_si128(8 * i), hi4 = _mm_cvtsi32_si128(8 * i + 4),
-                      top = _mm_cvtsi32_si128(8 * i + 6);
-        sc = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(d2, lo), m4),
-                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(d0, top), m2), 4));
-        mn = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(d2, hi4), m4),
-                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(d1, top), m2), 4));
+/* Q4_K, Q5_K: sub-block jj's scale (jj = 0..7) of k4_unpack's bytes, one per lane. */
+INLINE __m512i k4_scale(const __m512i sm[2], int jj) {
+    return _mm512_and_si512(_mm512_srl_epi32(jj < 4 ? sm[0] : sm[1], _mm_cvtsi32_si128(8 * (jj % 4))),
+                            _mm512_set1_epi32(0xff));
+}
+
+/* Q4_K, Q5_K: sum over a 256-block's sub-blocks i of min_i sum(q of sub-block i), per lane, as integers:
+ * the mins as 16-bit pairs (vpshufb: bytes 2 p, 2 p + 1 of each lane, zero-extended) times x's pairs of
+ * 32-block sums (bs: the block's 8, int16), by vpdpwssd. */
+INLINE __m512i k4_min_sum(const __m512i mins[2], const int16_t *bs) {
+    const __m512i pair[2] = {_mm512_set4_epi32((int)0x800d800c, (int)0x80098008, (int)0x80058004, (int)0x80018000),
+                             _mm512_set4_epi32((int)0x800f800e, (int)0x800b800a, (int)0x80078006, (int)0x80038002)};
+    __m512i sum = _mm512_setzero_si512();
+    for (int p = 0; p < 4; p++) {
+        int32_t xs;
+        memcpy(&xs, bs + 2 * p, 4);
+        sum = _mm512_dpwssd_epi32(sum, _mm512_shuffle_epi8(mins[p / 2], pair[p % 2]), _mm512_set1_epi32(xs));
     }
-    *a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-    *b = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
+    return sum;
 }
 
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
@@ -686,124 +714,163 @@ typedef struct {
     int64_t bytes_per_block;
 } Ahead;
 
+/* The K-quants at the end of a 256-block (its last 32-block j): y += dx (d ksum - dmin sum(min_i bs_i)),
+ * y in out's rows. */
+INLINE void k_block_end(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *const *blk, int nz,
+                        int64_t j, const __m512i *ksum, float *out, int64_t ldo) {
+#pragma GCC unroll 4
+    for (int z = 0; z < nz; z++) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z]));
+        __m512 dmin = _mm512_setzero_ps();
+        __m512i mins[2];
+        if (HAS_MINS(qtype)) {
+            dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[z] + 32)));
+            k4_unpack(blk[z], 1, mins);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < mr; m++) {
+            const __m512 dx = _mm512_set1_ps(x->d[X_SCALE_AT(qtype, x, m0 + m, j)]);
+            float *y = out + m * ldo + z * NR;
+            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ksum[m * NZ + z]), _mm512_mul_ps(d, dx), _mm512_loadu_ps(y));
+            if (HAS_MINS(qtype)) {
+                const __m512i ms = k4_min_sum(mins, x->s + (m0 + m) * (x->K / QB) + j - 7);
+                v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dmin, dx), v);
+            }
+            _mm512_storeu_ps(y, v);
+        }
+    }
+}
+
 /* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream` > 0:
- * prefetch the panels that many 32-blocks ahead (prefetch_ahead); else `ahead`'s bytes into L2. Q4_K:
- * (a, b) through `kab`. Up to MR rows the fp32 results stay in registers; a wide tile (up to MR_WIDE
- * rows) keeps them in y's rows (L1) and its registers for the MR_WIDE NZ integer sums: the same
- * arithmetic, in the same order. */
+ * prefetch the panels that many 32-blocks ahead (prefetch_ahead); else `ahead`'s bytes into L2. Up to MR
+ * rows the fp32 results stay in registers; a wide tile (up to MR_WIDE rows) keeps them in y's rows (L1)
+ * and its registers for the MR_WIDE NZ integer sums: the same arithmetic, in the same order. The
+ * K-quants keep them in y's rows too, and their registers for a 256-block's integer sums (ksum). */
 INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
-                 int nz, float *out, int64_t ldo, int stream, Ahead ahead, ScaleCache kab) {
-    const int wide = mr > MR;  /* a literal in each copy: the compiler keeps one of the two ways */
+                 int nz, float *out, int64_t ldo, int stream, Ahead ahead) {
+    const int wide = mr > MR, in_l1 = wide || IS_K_QUANT(qtype);  /* literals in each copy */
     __m512 acc[MR * NZ];
     for (int m = 0; m < mr; m++)
         for (int z = 0; z < nz; z++) {
-            if (wide) _mm512_storeu_ps(out + m * ldo + z * NR, _mm512_setzero_ps());
+            if (in_l1) _mm512_storeu_ps(out + m * ldo + z * NR, _mm512_setzero_ps());
             else acc[m * NZ + z] = _mm512_setzero_ps();
         }
     const int64_t nb = K / QB;
     const float off = code_offset(qtype);
     const int halves = sums_per_block(qtype), span = 8 / halves;  /* span: code vectors per integer sum */
-    __m512 kd[NZ], kdmin[NZ];  /* Q4_K: the current 256-block's d and dmin, converted once for its 8 */
-    for (int64_t j = 0; j < nb; j++) {
-        const uint8_t *blk[NZ];
+    /* 32-blocks per integer accumulation: a K-quant's 256-block (its own loop, so that its integer sums
+     * keep their registers through it, the epilogue's pressure outside) */
+    const int per = IS_K_QUANT(qtype) ? KB / QB : 1;
+    for (int64_t j0 = 0; j0 < nb; j0 += per) {
+        __m512i ksum[MR_WIDE * NZ];  /* K-quants: the 256-block's integer sums so far, each times its scale */
+        /* Q4_K, Q5_K: the 256-block's scales, a vector per sub-block, in memory (indexed by jj at run time):
+         * in registers beside ksum they would spill a 4 x 3 tile's sums */
+        __m512i kscale[NZ][8];
+        if (IS_K_QUANT(qtype))
+            for (int i = 0; i < mr * NZ; i++) ksum[i] = _mm512_setzero_si512();
+        if (HAS_MINS(qtype))
 #pragma GCC unroll 4
-        for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j);
-        if (stream) prefetch_ahead(qtype, blk, nz, j, stream);
-        else if (ahead.at != NULL)
-            for (int64_t b = 0; b < ahead.bytes_per_block; b += 64)
-                _mm_prefetch((const char *)ahead.at + j * ahead.bytes_per_block + b, _MM_HINT_T2);
-        __m512i sum[MR_WIDE * NZ];  /* the block's integer sum: Q6_K's two halves, each times its scale */
-        for (int hf = 0; hf < halves; hf++) {
-            __m512i half[MR_WIDE * NZ];
+            for (int z = 0; z < nz; z++) {
+                __m512i sm[2];
+                k4_unpack(panel_block(qtype, w, K, p0 + z, j0), 0, sm);
 #pragma GCC unroll 8
-            for (int m = 0; m < mr; m++) {
-                /* the formats without mins start at -o sum(q), so the integer sum is sum(w q) / a already */
-                const int64_t xb = (m0 + m) * nb + j;
-                const int32_t start = HAS_MINS(qtype) ? 0 : -(int32_t)off * (halves == 2 ? x->s16[2 * xb + hf]
-                                                                                              : x->s[xb]);
-#pragma GCC unroll 4
-                for (int z = 0; z < nz; z++) half[m * NZ + z] = _mm512_set1_epi32(start);
+                for (int i = 0; i < 8; i++) kscale[z][i] = k4_scale(sm, i);
             }
-            const int split = mr * nz <= SPLIT_SUMS;  /* a literal per copy, as mr and nz */
-            __m512i odd[MR_WIDE * NZ];  /* split: the odd code vectors' sums, added to the even ones' after */
-            if (split)
-                for (int i = 0; i < mr * NZ; i++) odd[i] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-            for (int g = hf * span; g < (hf + 1) * span; g++) {
-                __m512i c[NZ];
+        for (int64_t j = j0; j < j0 + per; j++) {
+            const int jj = (int)(j - j0);  /* a K-quant's sub-block */
+            const uint8_t *blk[NZ];
 #pragma GCC unroll 4
-                for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], (int)(j % 8), g);
+            for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j);
+            if (stream) prefetch_ahead(qtype, blk, nz, j, stream);
+            else if (ahead.at != NULL)
+                for (int64_t b = 0; b < ahead.bytes_per_block; b += 64)
+                    _mm_prefetch((const char *)ahead.at + j * ahead.bytes_per_block + b, _MM_HINT_T2);
+            __m512i sum[MR_WIDE * NZ];  /* the block's integer sum (K-quants: times its scales) */
+            for (int hf = 0; hf < halves; hf++) {
+                __m512i half[MR_WIDE * NZ];
 #pragma GCC unroll 8
                 for (int m = 0; m < mr; m++) {
-                    const __m512i xq = _mm512_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
+                    /* the formats without mins start at -o sum(q), so the integer sum is sum(w q) / a already */
+                    const int64_t xb = (m0 + m) * nb + j;
+                    const int32_t start = HAS_MINS(qtype) ? 0 : -(int32_t)off * (halves == 2 ? x->s16[2 * xb + hf]
+                                                                                                  : x->s[xb]);
 #pragma GCC unroll 4
-                    for (int z = 0; z < nz; z++) {
-                        __m512i *acc_g = split && g % 2 ? &odd[m * NZ + z] : &half[m * NZ + z];
-                        *acc_g = _mm512_dpbusd_epi32(*acc_g, c[z], xq);
+                    for (int z = 0; z < nz; z++) half[m * NZ + z] = _mm512_set1_epi32(start);
+                }
+                const int split = mr * nz <= SPLIT_SUMS;  /* a literal per copy, as mr and nz */
+                __m512i odd[MR_WIDE * NZ];  /* split: the odd code vectors' sums, added to the even ones' after */
+                if (split)
+                    for (int i = 0; i < mr * NZ; i++) odd[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int g = hf * span; g < (hf + 1) * span; g++) {
+                    __m512i c[NZ];
+#pragma GCC unroll 4
+                    for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], jj, g);
+#pragma GCC unroll 8
+                    for (int m = 0; m < mr; m++) {
+                        const __m512i xq = _mm512_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
+#pragma GCC unroll 4
+                        for (int z = 0; z < nz; z++) {
+                            __m512i *acc_g = split && g % 2 ? &odd[m * NZ + z] : &half[m * NZ + z];
+                            *acc_g = _mm512_dpbusd_epi32(*acc_g, c[z], xq);
+                        }
+                    }
+                }
+                if (split)
+                    for (int i = 0; i < mr * NZ; i++) half[i] = _mm512_add_epi32(half[i], odd[i]);
+#pragma GCC unroll 4
+                for (int z = 0; z < nz; z++) {  /* the K-quants: times the sub-block's scale (Numerics) */
+                    const __m512i sc = !IS_K_QUANT(qtype) ? _mm512_setzero_si512()
+                                       : HAS_MINS(qtype) ? kscale[z][jj]
+                                       : _mm512_cvtepi8_epi32(
+                                             _mm_loadu_si128((const __m128i *)q6_scales(blk[z], j, hf)));
+#pragma GCC unroll 8
+                    for (int m = 0; m < mr; m++) {
+                        const __m512i scaled = IS_K_QUANT(qtype) ? _mm512_mullo_epi32(half[m * NZ + z], sc)
+                                                                 : half[m * NZ + z];
+                        sum[m * NZ + z] = hf == 0 ? scaled : _mm512_add_epi32(sum[m * NZ + z], scaled);
                     }
                 }
             }
-            if (split)
-                for (int i = 0; i < mr * NZ; i++) half[i] = _mm512_add_epi32(half[i], odd[i]);
-            if (halves == 1) {
-                for (int i = 0; i < MR_WIDE * NZ; i++) sum[i] = half[i];
+            if (IS_K_QUANT(qtype)) {
+                for (int i = 0; i < mr * NZ; i++) ksum[i] = _mm512_add_epi32(ksum[i], sum[i]);
                 continue;
             }
+            __m512 a[NZ];
 #pragma GCC unroll 4
-            for (int z = 0; z < nz; z++) {  /* Q6_K: each half times its sub-block's int8 scale (Numerics) */
-                const __m512i sc = _mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)q6_scales(blk[z], j, hf)));
+            for (int z = 0; z < nz; z++) a[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z]));
 #pragma GCC unroll 8
-                for (int m = 0; m < mr; m++) {
-                    const __m512i scaled = _mm512_mullo_epi32(half[m * NZ + z], sc);
-                    sum[m * NZ + z] = hf == 0 ? scaled : _mm512_add_epi32(sum[m * NZ + z], scaled);
-                }
-            }
-        }
-        __m512 a[NZ], b[NZ];
+            for (int m = 0; m < mr; m++) {
+                const __m512 dx = _mm512_set1_ps(x->d[X_SCALE_AT(qtype, x, m0 + m, j)]);
 #pragma GCC unroll 4
-        for (int z = 0; z < nz; z++) {
-            float *cached = kab.at != NULL ? kab.at + (j * NZ + z) * 2 * NR : NULL;
-            if (HAS_MINS(qtype) && cached != NULL && !kab.store)
-                a[z] = _mm512_loadu_ps(cached), b[z] = _mm512_loadu_ps(cached + NR);
-            else if (HAS_MINS(qtype)) {
-                if (j % 8 == 0) k4_d(blk[z], &kd[z], &kdmin[z]);
-                k4_ab(blk[z], (int)(j % 8), kd[z], kdmin[z], &a[z], &b[z]);
-                if (cached != NULL) _mm512_storeu_ps(cached, a[z]), _mm512_storeu_ps(cached + NR, b[z]);
-            } else a[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z])), b[z] = a[z];
-        }
-#pragma GCC unroll 8
-        for (int m = 0; m < mr; m++) {
-            const int64_t xb = (m0 + m) * nb + j;
-            const __m512 dx = _mm512_set1_ps(x->d[xb]);
-#pragma GCC unroll 4
-            for (int z = 0; z < nz; z++) {
-                __m512 s = _mm512_cvtepi32_ps(sum[m * NZ + z]);
-                __m512 y = wide ? _mm512_loadu_ps(out + m * ldo + z * NR) : acc[m * NZ + z];
-                if (HAS_MINS(qtype)) {
-                    const __m512 dxs = _mm512_set1_ps(x->d[xb] * (float)x->s[xb]);
-                    y = _mm512_fmadd_ps(_mm512_mul_ps(s, dx), a[z], y);
-                    y = _mm512_fnmadd_ps(b[z], dxs, y);
-                } else {
+                for (int z = 0; z < nz; z++) {
+                    const __m512 s = _mm512_cvtepi32_ps(sum[m * NZ + z]);
+                    __m512 y = wide ? _mm512_loadu_ps(out + m * ldo + z * NR) : acc[m * NZ + z];
                     y = _mm512_fmadd_ps(s, _mm512_mul_ps(a[z], dx), y);
+                    if (wide) _mm512_storeu_ps(out + m * ldo + z * NR, y);
+                    else acc[m * NZ + z] = y;
                 }
-                if (wide) _mm512_storeu_ps(out + m * ldo + z * NR, y);
-                else acc[m * NZ + z] = y;
             }
+        }
+        if (IS_K_QUANT(qtype)) {
+            const uint8_t *blk[NZ];
+#pragma GCC unroll 4
+            for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j0);
+            k_block_end(qtype, x, m0, mr, blk, nz, j0 + per - 1, ksum, out, ldo);
         }
     }
-    for (int m = 0; m < mr && !wide; m++)
+    for (int m = 0; m < mr && !in_l1; m++)
         for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + m * ldo + z * NR, acc[m * NZ + z]);
 }
 
 /* Each (format, mr, nz) its own unrolled copy: the tile sizes must be literals for the registers. */
-#define QCASE(R, Z) case (R) * 4 + (Z): tile(qtype, x, m0, R, w, K, p0, Z, out, ldo, stream, ahead, kab); break;
+#define QCASE(R, Z) case (R) * 4 + (Z): tile(qtype, x, m0, R, w, K, p0, Z, out, ldo, stream, ahead); break;
 #define QCASES(R) QCASE(R, 1) QCASE(R, 2) QCASE(R, 3)
 _Static_assert(MR <= 4 && MR_WIDE <= 8 && NZ <= 3,
                "the tile cases below cover mr <= 8, nz <= 3: a missing one computes nothing");
 #define QTILE_FN(NAME, QT)                                                                                   \
     static void NAME(const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0, int nz, \
-                     float *out, int64_t ldo, int stream, Ahead ahead, ScaleCache kab) {                     \
+                     float *out, int64_t ldo, int stream, Ahead ahead) {                                     \
         const int qtype = QT;                                                                                \
         switch (mr * 4 + nz) {                                                                               \
             QCASES(1) QCASES(2) QCASES(3) QCASES(4) QCASES(5) QCASES(6) QCASES(7) QCASES(8) default: break;  \
@@ -851,23 +918,21 @@ static Ahead ahead_slice(const uint8_t *next, int64_t next_bytes, int64_t rows, 
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz; `next`: the next task's panels (next_bytes), or NULL. */
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
                       int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
-                      int prefetch, float *scales) {
+                      int prefetch) {
     const int height = tile_height(qtype);
     const int64_t num_tiles = (rows + height - 1) / height;
-    if (num_tiles == 1) scales = NULL;
     for (int64_t i = 0; i < num_tiles; i++) {
         const int64_t m = i * height;
         const int mr = (int)(rows - m < height ? rows - m : height);
         const int stream = i == 0 ? prefetch : 0;  /* the task's first micro-tile reads its panels from memory */
         const Ahead ahead = prefetch ? ahead_slice(next, next_bytes, rows, height, i, K) : (Ahead){NULL, 0};
         float *o = out + m * ldo;
-        const ScaleCache none = {NULL, 0}, kab = {scales, i == 0};
-        if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
-        else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
-        else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
-        else if (qtype == QUANT_Q6_K) tile_q6_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, none);
-        else if (qtype == QUANT_Q5_K) tile_q5_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, kab);
-        else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead, kab);
+        if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
+        else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
+        else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
+        else if (qtype == QUANT_Q6_K) tile_q6_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
+        else if (qtype == QUANT_Q5_K) tile_q5_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
+        else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
     }
 }
 #endif
@@ -916,8 +981,10 @@ static void finish_rows(const float *tmp, int64_t rows, int64_t width, const voi
 int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
                int64_t K, int is_bf16, int num_threads) {
     if (!check_shape(qtype, N, K) || M <= 0) return -2;
-    QuantRows r = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * K / QB)),
-                   malloc(sizeof(int32_t) * (size_t)(M * K / QB)), malloc(sizeof(int32_t) * (size_t)(M * K / 16)), K};
+    const int64_t span = IS_K_QUANT(qtype) ? KB : QB;  /* x's scale per span values (QuantRows) */
+    QuantRows r = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * K / span)),
+                   malloc(sizeof(int16_t) * (size_t)(M * K / QB)), malloc(sizeof(int16_t) * (size_t)(M * K / 16)), K,
+                   span};
     if (r.q == NULL || r.d == NULL || r.s == NULL || r.s16 == NULL) {
         free(r.q), free(r.d), free(r.s), free(r.s16);
         return -1;
@@ -933,7 +1000,6 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize_row(x, is_bf16, m, &r);
         float tmp[MC * NZ * NR];
-        float *scales = scale_cache(qtype, K, M);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t g = task / chunks, m0 = task % chunks * MC, rows = M - m0 < MC ? M - m0 : MC;
@@ -945,10 +1011,9 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
             const int is_last_chunk = m0 + MC >= M;
             const uint8_t *next = is_last_chunk && nz_next ? panel_block(qtype, wq, K, (g + 1) * gz, 0) : NULL;
             tile_rows(qtype, &r, m0, rows, (const uint8_t *)wq, K, g * gz, nz, out, is_bf16 ? nz * NR : N, next,
-                      nz_next * (K / BLOCK_K[qtype]) * PANEL_BYTES[qtype], prefetch_blocks(qtype, single), scales);
+                      nz_next * (K / BLOCK_K[qtype]) * PANEL_BYTES[qtype], prefetch_blocks(qtype, single));
             if (is_bf16 || bias != NULL) finish_rows(tmp, rows, nz * NR, bias, y0, N, g * gz * NR, is_bf16);
         }
-        free(scales);
     }
     free(r.q), free(r.d), free(r.s), free(r.s16);
     return 0;
