@@ -34,8 +34,8 @@
  *     Q4_K (2304 bytes): d[16] | dmin[16] fp16 | scales[3][16][4]: GGUF's 12 scale bytes of row l, 4 at a
  *                       time | qs[4][8][16][4]: GGUF's qs bytes 32 c + 4 g .. + 3 (low nibbles: K 64 c +
  *                       4 g + t, sub-block 2 c; high: 64 c + 32 + 4 g + t, sub-block 2 c + 1)
- *     Q5_K (2816 bytes): Q4_K's | hb[8][16][4]: GGUF's qh bytes 4 g .. 4 g + 3 of row l (bit s of byte t:
- *                       the fifth bit of K 32 s + 4 g + t, sub-block s)
+ *     Q5_K (2816 bytes): Q4_K's header | hb[8][16][4]: GGUF's qh bytes 4 g .. 4 g + 3 of row l (bit s of
+ *                       byte t: the fifth bit of K 32 s + 4 g + t, sub-block s) | qs as Q4_K's (K_CODES)
  *     Q6_K (3360 bytes): d[16] fp16 | scales[16][16] int8 (sub-block s of lane l at 16 s + l) | then per
  *                       32-block c (0..7) of the super-block, per half h: v[3][16][4]: byte (r, l, t) =
  *                       the code of K 32 c + 16 h + 4 r + t in bits 0..5, and bits 2 r, 2 r + 1 of the
@@ -106,7 +106,11 @@
 /* Bytes of one panel block and weights per format block. */
 static const int64_t PANEL_BYTES[6] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176};
 static const int64_t BLOCK_K[6] = {32, 32, 256, 32, 256, 256};
-#define K5_HIGH 2304 /* where a Q5_K panel block's fifth bits start (after Q4_K's layout) */
+#define K5_HIGH 256  /* where a Q5_K panel block's fifth bits start (after the scales, before the codes) */
+/* Where a Q4_K / Q5_K panel block's 4-bit codes start: Q5_K's after its fifth bits, so that a 256-block is
+ * read front to back (with the fifth bits last, as GGUF has them, its first 32-block read the block's end
+ * before its middle, and one stream ran at about half its bytes' rate: the prefetchers lost it) */
+#define K_CODES(qtype) ((qtype) == QUANT_Q5_K ? K5_HIGH + 512 : 256)
 #define Q6_CODES 288 /* where a Q6_K panel block's codes start (after d and the scales) */
 #define Q6_BLOCK 384 /* a Q6_K panel's bytes of codes per 32-block: two halves of 3 vectors */
 
@@ -278,7 +282,7 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
     if (qtype == QUANT_Q5_0)
         return ((blk[96 + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf) |
                (((blk[32 + 4 * lane + t] >> g) & 1) << 4);
-    const int c = (j % 8) / 2, low = (blk[256 + 512 * c + 64 * g + 4 * lane + t] >> (j % 2 ? 4 : 0)) & 0xf;
+    const int c = (j % 8) / 2, low = (blk[K_CODES(qtype) + 512 * c + 64 * g + 4 * lane + t] >> (j % 2 ? 4 : 0)) & 0xf;
     if (qtype == QUANT_Q4_K) return low;
     return low | (((blk[K5_HIGH + 64 * g + 4 * lane + t] >> (j % 8)) & 1) << 4);  /* Q5_K */
 }
@@ -312,7 +316,7 @@ INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
                ((load_lanes(v + 128) >> 2) & 0x30303030u);
     }
     if (HAS_MINS(qtype)) {
-        const LaneWords v = load_lanes(blk + 256 + 512 * ((j % 8) / 2) + 64 * g);
+        const LaneWords v = load_lanes(blk + K_CODES(qtype) + 512 * ((j % 8) / 2) + 64 * g);
         const LaneWords lo = (v >> (j % 2 ? 4 : 0)) & 0x0f0f0f0fu;
         if (qtype == QUANT_Q4_K) return lo;
         return lo | (((load_lanes(blk + K5_HIGH + 64 * g) >> (j % 8)) & 0x01010101u) << 4);  /* Q5_K */
@@ -425,7 +429,7 @@ INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
         return _mm256_or_si256(_mm256_or_si256(p0, p1), p2);
     }
     if (HAS_MINS(qtype)) {
-        const __m256i v = load256(blk + 256 + 512 * ((j % 8) / 2) + 64 * g + 32 * h);
+        const __m256i v = load256(blk + K_CODES(qtype) + 512 * ((j % 8) / 2) + 64 * g + 32 * h);
         const __m256i lo = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
         if (qtype == QUANT_Q4_K) return lo;
         /* Q5_K: bit j of each hb byte to bit 4, as Q5_0's */
@@ -622,7 +626,7 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
         const __m512i hi = g < 4 ? _mm512_slli_epi16(hb, 4 - g) : g > 4 ? _mm512_srli_epi16(hb, g - 4) : hb;
         return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x10), 0xF8);
     }
-    const __m512i v = _mm512_loadu_si512(blk + 256 + 512 * ((j % 8) / 2) + 64 * g);
+    const __m512i v = _mm512_loadu_si512(blk + K_CODES(qtype) + 512 * ((j % 8) / 2) + 64 * g);
     const __m512i lo = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
     if (qtype == QUANT_Q4_K) return lo;
     /* Q5_K: 16 more where bit j of the hb byte is set (j is not a literal here, as Q5_0's g is: a test
@@ -1029,7 +1033,7 @@ static const Piece PIECES[6][5] = {
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
     {{0, 0, 2, 2}, {6, 96, 16, 4}},                                    /* Q5_0: d | qs (hb: below) */
     {{208, 0, 2, 2}, {192, 32, 16, 1}},                                /* Q6_K: d | scales (codes: below) */
-    {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {48, 256, 128, 4}, {16, K5_HIGH, 32, 4}},  /* Q5_K: + qh */
+    {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {48, K_CODES(QUANT_Q5_K), 128, 4}, {16, K5_HIGH, 32, 4}},  /* Q5_K */
 };
 
 /* Q5_0's qh (bit k: the fifth bit of K k) of row lane -> hb byte t: bit g = the fifth bit of K 4 g + t. */
