@@ -3,15 +3,15 @@
 scripts/quant_microbench.py times the library's own build against the read bandwidth; this one compares builds.
 
 Each format (Q8_0, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K) on an N x K matrix at M = 1 and 16 rows, weights out of cache
-(a ring of copies larger than the last-level cache), against torch's fp32 `F.linear` on the dense matrix (a ring
-too). Builds: this CPU's own path (AVX-512 VNNI, AVX2 or plain C), the plain C path (-DQUANT_SCALAR),
+(a ring of copies larger than the last-level cache; --in-cache: one copy, for a matrix that fits in L2), against
+torch's fp32 `F.linear` on the dense matrix (a ring too), each build's time also as GB/s of weights. Builds: this CPU's own path (AVX-512 VNNI, AVX2 or plain C), the plain C path (-DQUANT_SCALAR),
 with --baseline REV the gemm_quant.c of a git revision (its own default path), and with --variant
 NAME='-DX=1 ...' this tree's built with those flags (retuning a #define); each compiled alone with the
 library's flags. Prints a table and writes JSON.
 
     .venv/bin/python scripts/quant_builds_microbench.py [--baseline HEAD~1] [--n 1536 --k 1536] [--json PATH]
         [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,q5_0,q5_k,q6_k] [--variant NAME=FLAGS ...]
-        [--single-stream [--no-single-prefetch]] [--wide-tiles]
+        [--single-stream [--no-single-prefetch]] [--wide-tiles] [--in-cache]
 """
 
 from __future__ import annotations
@@ -75,14 +75,15 @@ def seconds_per_call(fn: Callable[[], None], budget_s: float = 0.5) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def ring(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Copies of `tensor` on huge pages, as the engine keeps its weights (kernels/hugepages.py)."""
-    copies = max(2, RING_BYTES // (tensor.numel() * tensor.element_size()))
+def ring(tensor: torch.Tensor, in_cache: bool = False) -> list[torch.Tensor]:
+    """Copies of `tensor` on huge pages, as the engine keeps its weights (kernels/hugepages.py); one if
+    `in_cache`."""
+    copies = 1 if in_cache else max(2, RING_BYTES // (tensor.numel() * tensor.element_size()))
     return [huge_page_zeros(tuple(tensor.shape), tensor.dtype).copy_(tensor) for _ in range(copies)]
 
 
 def run(libs: dict[str, ctypes.CDLL], n: int, k: int, rows: list[int], rounds: int,
-        formats: list[str]) -> list[dict]:
+        formats: list[str], in_cache: bool = False) -> list[dict]:
     """Per format and row count: each build's ms a call, the best of `rounds` rounds that visit the builds
     in turn (a noisy moment hits all of them), and torch's."""
     results = []
@@ -91,10 +92,10 @@ def run(libs: dict[str, ctypes.CDLL], n: int, k: int, rows: list[int], rounds: i
         blocks = quantize(torch.randn(n, k) * 0.1, fmt).contiguous()
         packed = torch.empty_like(blocks)
         next(iter(libs.values())).quant_pack(blocks.data_ptr(), qtype, n, k, packed.data_ptr(), 1)
-        weights, dense = ring(packed), ring(torch.randn(n, k))
+        weights, dense = ring(packed, in_cache), ring(torch.randn(n, k), in_cache)
         for m in rows:
             x, y = torch.randn(m, k), torch.empty(m, n)
-            cell = {"format": fmt, "m": m, "ms": {name: float("inf") for name in libs}}
+            cell = {"format": fmt, "m": m, "ms": {name: float("inf") for name in libs}, "weight_bytes": packed.numel()}
             for _ in range(rounds):
                 for name, lib in libs.items():
                     calls = iter(range(1 << 62))
@@ -104,7 +105,9 @@ def run(libs: dict[str, ctypes.CDLL], n: int, k: int, rows: list[int], rounds: i
             calls = iter(range(1 << 62))
             cell["ms"]["torch fp32"] = 1e3 * seconds_per_call(
                 lambda: torch.nn.functional.linear(x, dense[next(calls) % len(dense)]))
-            print(f"{fmt} M={m:2d}: " + " | ".join(f"{name} {v:.3f} ms" for name, v in cell["ms"].items()),
+            gbs = {name: packed.numel() / v / 1e6 for name, v in cell["ms"].items() if name in libs}
+            print(f"{fmt} M={m:2d}: " + " | ".join(f"{name} {v:.3f} ms" + (f" ({gbs[name]:.1f} GB/s)" if name in gbs
+                                                                          else "") for name, v in cell["ms"].items()),
                   flush=True)
             results.append(cell)
     return results
@@ -126,6 +129,8 @@ def main() -> int:
                         help="with --single-stream: its software prefetch off (gemm_quant_set_single_prefetch)")
     parser.add_argument("--wide-tiles", action="store_true",
                         help="every build in wide-tile mode (gemm_quant_set_wide_tiles), as the runner may set it")
+    parser.add_argument("--in-cache", action="store_true",
+                        help="one copy of the weights, not a ring past the last-level cache (a matrix that fits in L2)")
     parser.add_argument("--json", default="/tmp/quant_kernel.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -141,10 +146,10 @@ def main() -> int:
                 lib.gemm_quant_set_single_prefetch(0)
             if args.wide_tiles and hasattr(lib, "gemm_quant_set_wide_tiles"):
                 lib.gemm_quant_set_wide_tiles(1)
-        results = run(libs, args.n, args.k, rows, args.rounds, args.formats.split(","))
+        results = run(libs, args.n, args.k, rows, args.rounds, args.formats.split(","), args.in_cache)
     write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "rounds": args.rounds,
                            "single_stream": args.single_stream, "single_prefetch": not args.no_single_prefetch,
-                           "wide_tiles": args.wide_tiles, "results": results})
+                           "wide_tiles": args.wide_tiles, "in_cache": args.in_cache, "results": results})
     print(f"wrote {args.json}")
     return 0
 
