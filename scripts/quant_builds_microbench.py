@@ -4,14 +4,15 @@ scripts/quant_microbench.py times the library's own build against the read bandw
 
 Each format (Q8_0, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K) on an N x K matrix at M = 1 and 16 rows, weights out of cache
 (a ring of copies larger than the last-level cache; --in-cache: one copy, for a matrix that fits in L2), against
-torch's fp32 `F.linear` on the dense matrix (a ring too), each build's time also as GB/s of weights. Builds: this CPU's own path (AVX-512 VNNI, AVX2 or plain C), the plain C path (-DQUANT_SCALAR),
+torch's fp32 `F.linear` on the dense matrix (a ring too), each build's time also as GB/s of weights. Builds:
+this CPU's own path (AVX-512 VNNI, AVX2 or plain C), the plain C path (-DQUANT_SCALAR),
 with --baseline REV the gemm_quant.c of a git revision (its own default path), and with --variant
 NAME='-DX=1 ...' this tree's built with those flags (retuning a #define); each compiled alone with the
 library's flags. Prints a table and writes JSON.
 
     .venv/bin/python scripts/quant_builds_microbench.py [--baseline HEAD~1] [--n 1536 --k 1536] [--json PATH]
         [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,q5_0,q5_k,q6_k] [--variant NAME=FLAGS ...]
-        [--single-stream [--no-single-prefetch]] [--wide-tiles] [--in-cache]
+        [--single-stream [--no-single-prefetch | --single-prefetch-l2]] [--wide-tiles] [--in-cache]
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ def main() -> int:
                         help="every build in single-stream mode (gemm_quant_set_single_stream), as the runner sets it")
     parser.add_argument("--no-single-prefetch", action="store_true",
                         help="with --single-stream: its software prefetch off (gemm_quant_set_single_prefetch)")
+    parser.add_argument("--single-prefetch-l2", action="store_true",
+                        help="with --single-stream: its software prefetch into L2, not L1 "
+                             "(gemm_quant_set_single_prefetch)")
     parser.add_argument("--wide-tiles", action="store_true",
                         help="every build in wide-tile mode (gemm_quant_set_wide_tiles), as the runner may set it")
     parser.add_argument("--in-cache", action="store_true",
@@ -142,13 +146,15 @@ def main() -> int:
         for lib in libs.values():
             if args.single_stream and hasattr(lib, "gemm_quant_set_single_stream"):
                 lib.gemm_quant_set_single_stream(SINGLE_STREAM_ROWS)
-            if args.no_single_prefetch and hasattr(lib, "gemm_quant_set_single_prefetch"):
-                lib.gemm_quant_set_single_prefetch(0)
+            if hasattr(lib, "gemm_quant_set_single_prefetch"):
+                level = 0 if args.no_single_prefetch else 2 if args.single_prefetch_l2 else 1
+                lib.gemm_quant_set_single_prefetch(level)
             if args.wide_tiles and hasattr(lib, "gemm_quant_set_wide_tiles"):
                 lib.gemm_quant_set_wide_tiles(1)
         results = run(libs, args.n, args.k, rows, args.rounds, args.formats.split(","), args.in_cache)
     write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "rounds": args.rounds,
-                           "single_stream": args.single_stream, "single_prefetch": not args.no_single_prefetch,
+                           "single_stream": args.single_stream,
+                           "single_prefetch": 0 if args.no_single_prefetch else 2 if args.single_prefetch_l2 else 1,
                            "wide_tiles": args.wide_tiles, "in_cache": args.in_cache, "results": results})
     print(f"wrote {args.json}")
     return 0

@@ -98,7 +98,7 @@ def test_single_stream_mode_changes_no_bits(fmt: str) -> None:
             kernel.set_single_stream(0)
             want = [kernel(x[:m], packed) for m in range(1, SINGLE_STREAM_ROWS + 1)]
             kernel.set_single_stream(SINGLE_STREAM_ROWS)
-            for prefetch in (0, 1):
+            for prefetch in (0, 1, 2):
                 kernel.set_single_prefetch(prefetch)
                 assert all(torch.equal(kernel(x[:m], packed), want[m - 1])
                            for m in range(1, SINGLE_STREAM_ROWS + 1))

@@ -99,7 +99,7 @@ class QuantGemm:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn, self._rows, self._pack = lib.gemm_quant, lib.quant_rows, lib.quant_pack
         self.set_single_stream = lib.gemm_quant_set_single_stream  # (max_rows): gemm_quant.c says what
-        self.set_single_prefetch = lib.gemm_quant_set_single_prefetch  # (on): the same
+        self.set_single_prefetch = lib.gemm_quant_set_single_prefetch  # (0 none, 1 into L1, 2 into L2): the same
         self.set_wide_tiles = lib.gemm_quant_set_wide_tiles  # (on): the same
         self.path = lib.gemm_quant_path()  # VNNI_PATH, 1 AVX2, 0 plain C
 
@@ -173,8 +173,9 @@ def quantized_rows(ids: torch.Tensor, packed: torch.Tensor, dtype: torch.dtype) 
 def tune_single_stream(weights: Sequence[torch.Tensor], rounds: int = 5) -> bool:
     """Turn gemm_quant's single-stream mode on where it is faster on these packed weights: one row (a
     one-stream decode) through every matrix in turn, as a decode step streams them from memory; on the VNNI
-    path with its software prefetch or with the hardware prefetcher alone. Which a CPU's prefetchers prefer
-    differs between CPUs; the results' bits do not. Returns whether the mode is on."""
+    path with its software prefetch (into L1 or L2) or with the hardware prefetcher alone. Which a CPU's
+    prefetchers prefer differs between CPUs and formats; the results' bits do not. Returns whether the mode
+    is on."""
     kernel = native_quant_gemm()
     if kernel is None or not weights:
         return False
@@ -188,6 +189,7 @@ def tune_single_stream(weights: Sequence[torch.Tensor], rounds: int = 5) -> bool
     modes = {"off": mode(0, 1), "on": mode(SINGLE_STREAM_ROWS, 1)}
     if kernel.path == VNNI_PATH:
         modes["on without software prefetch"] = mode(SINGLE_STREAM_ROWS, 0)
+        modes["on, prefetching into L2"] = mode(SINGLE_STREAM_ROWS, 2)
     name = f"single-stream mode (up to {SINGLE_STREAM_ROWS} rows)"
     return _keep_fastest(kernel, modes, weights, 1, rounds, name) != "off"
 

@@ -177,9 +177,9 @@ enum { QUANT_Q8_0 = 0, QUANT_Q4_0 = 1, QUANT_Q4_K = 2, QUANT_Q5_0 = 3, QUANT_Q6_
 int gemm_quant_path(void);
 /* Calls of at most max_rows rows stream one panel per task (0: never; a speed choice). */
 void gemm_quant_set_single_stream(int max_rows);
-/* VNNI path: single-stream mode prefetches its stream ahead (1, the default) or leaves it to the hardware
- * prefetcher (0); a speed choice. */
-void gemm_quant_set_single_prefetch(int on);
+/* VNNI path: single-stream mode prefetches its stream ahead into L1 (1, the default) or into L2 (2), or
+ * leaves it to the hardware prefetcher (0); a speed choice. */
+void gemm_quant_set_single_prefetch(int level);
 /* VNNI path: micro-tiles of 8 rows instead of 4 for Q8_0 / Q4_0 / Q5_0 (1: on, 0: off; a speed choice). */
 void gemm_quant_set_wide_tiles(int on);
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL), W packed from GGUF blocks; x, bias, y fp32 or bf16. */
