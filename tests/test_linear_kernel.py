@@ -299,13 +299,13 @@ def test_model_packs_in_place_and_keeps_its_outputs(vocab_size: int, dtype: torc
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-@pytest.mark.parametrize("suffix", ["bf16", "f32"])
-def test_stub_without_avx512(tmp_path: Path, suffix: str) -> None:
-    """Built for a CPU without AVX-512 (x86-64-v3: no AVX512-BF16, no AVX-512F) each GEMM says so (and
-    native_gemm(dtype) is then None); its entry points return -1."""
+@pytest.mark.parametrize("suffix,march", [("bf16", "x86-64-v3"), ("f32", "x86-64-v2"), ("f32_wbf16", "x86-64-v2")])
+def test_stub_without_its_instructions(tmp_path: Path, suffix: str, march: str) -> None:
+    """Built for a CPU without what a GEMM needs (bf16: x86-64-v3, no AVX512-BF16; fp32 and weight-only
+    bf16: x86-64-v2, no AVX2) each says so (and native_gemm(dtype) is then None); its entry points return -1."""
     source = Path(linear_module.__file__).parent / "csrc" / f"gemm_{suffix}.c"
     target = tmp_path / "gemm_stub.so"
-    subprocess.run(["cc", "-O1", "-march=x86-64-v3", "-fopenmp", "-shared", "-fPIC", "-std=c11", str(source),
+    subprocess.run(["cc", "-O1", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c11", str(source),
                     "-o", str(target)], check=True, capture_output=True, timeout=60)
     lib = ctypes.CDLL(str(target))
     assert getattr(lib, f"gemm_{suffix}_available")() == 0

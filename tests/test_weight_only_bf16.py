@@ -94,23 +94,26 @@ def test_gate_up_silu_same_bits_as_linear_then_silu_mul(m: int, inter: int, k: i
 def test_avx2_build_gives_the_same_bits() -> None:
     """A CPU with AVX2 but no AVX-512 (a build with -mno-avx512f) runs the same fused multiply-adds in the
     same order on two 8-lane halves per panel: the same bits, for every tile height and rest, K blocks,
-    bias, and the fused SiLU gate/up variant."""
+    bias, and the fused SiLU gate/up variant; its fp32 kernel too, on the upcast weight."""
     if not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("no AVX2 here")
     lib = load_library(("-mno-avx512f",))
     if lib is None:
         pytest.skip("the -mno-avx512f build failed")
     lib = bindings.bind(lib)
-    assert lib.gemm_f32_wbf16_available() == 1 and lib.gemm_f32_available() == 0  # fp32 weights: F.linear
+    assert lib.gemm_f32_wbf16_available() == 1 and lib.gemm_f32_available() == 1
     avx2, avx2_silu = PackedGemm(lib, F32, torch.bfloat16), PackedGemmSilu(lib, F32, torch.bfloat16)
+    avx2_f32, avx2_f32_silu = PackedGemm(lib, F32), PackedGemmSilu(lib, F32)
     for m, n, k in [(1, 16, 2), (5, 48, 130), (9, 80, 1030), (17, 144, 2050), (130, 96, 64)]:
         x, w, b = _operands(m, n, k, seed=m)
         packed = pack_weight(w, F32)
         assert torch.equal(avx2(x, packed, b), linear(x, packed, b))
         assert torch.equal(avx2(x, packed), linear(x, packed))
+        assert torch.equal(avx2_f32(x, pack_weight(w.float()), b), linear(x, packed, b))
     x, w, _ = _operands(9, 2 * 96, 130, seed=3)
     fused = pack_gate_up(w, F32)
     assert torch.equal(avx2_silu(x, fused), silu_mul_linear(x, fused))
+    assert torch.equal(avx2_f32_silu(x, pack_gate_up(w.float())), silu_mul_linear(x, fused))
 
 
 def test_rows_lookup_widens_to_fp32() -> None:

@@ -21,7 +21,7 @@ which only `silu_mul_linear` reads: the kernel applies SiLU-multiply to each til
 the [M, 2I] gate/up output never goes through memory (the same bits as linear + silu_mul).
 `embedding` looks rows up in either layout (a tied lm_head is packed together with the embedding
 table). Weights are packed only where the kernel of their dtype exists (bf16: AVX512-BF16, fp32 and
-weight-only bf16: AVX-512F; a compiler; COBATCH_NO_NATIVE unset), for CPU weights with N % 16 == 0 (and K
+weight-only bf16: AVX-512F or AVX2 + FMA; a compiler; COBATCH_NO_NATIVE unset), for CPU weights with N % 16 == 0 (and K
 even in bf16).
 
 Numerics: each output is one fp32 sum over K in a fixed order (bf16: rounded once to bf16, as F.linear
@@ -129,7 +129,7 @@ def _check_input(x: torch.Tensor, in_features: int, dtype: torch.dtype) -> None:
 def native_gemm(dtype: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype | None = None) -> PackedGemm | None:
     """The kernel for activations of `dtype` on weights of `weight_dtype` (default the same: bf16 or fp32;
     fp32 on bf16: weight-only bf16), built on first use; None when native code is off, the build fails or
-    the CPU lacks what it needs (bf16: AVX512-BF16, the others: AVX-512F; the C file then builds a stub
+    the CPU lacks what it needs (bf16: AVX512-BF16, the others: AVX-512F or AVX2; the C file then builds a stub
     that says so)."""
     lib, prefix = load_kernels(), _PREFIX.get((dtype, weight_dtype or dtype))
     if prefix is None or lib is None or not getattr(lib, f"gemm_{prefix}_available")():

@@ -21,17 +21,22 @@
  * per k into one accumulator, from 0), then + bias: the order depends on nothing but K, so a row's bits
  * do not depend on M, the tiling, the thread count or the other rows of its batch. Denormals are kept
  * (no FTZ/DAZ). F.linear sums in another order: equal to it within fp32 summation error, not bit for bit.
- * Built by kernels/build.py (-march=native; without AVX-512F a stub reports itself unavailable and
- * linear.py keeps F.linear).
+ * Without AVX-512F the same tile runs on AVX2 + FMA (two 8-lane halves per panel: the same fused
+ * multiply-adds in the same order, so the same bits; gemm_f32_wbf16.c's AVX2 tile on the upcast weight).
+ * Built by kernels/build.py (-march=native; without AVX-512F or AVX2 a stub reports itself unavailable
+ * and linear.py keeps F.linear).
  */
 #include "cobatch_kernels.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include "gemm_packed.h"
 
 #ifndef KC_MAX
 #define KC_MAX 1024 /* K values per block at most (gemm_packed.h, k_block; docs/BENCHMARKS.md) */
 #endif
+
+#if defined(__AVX512F__)
+#define F32_ROWS MR /* rows per micro-tile */
 
 /* y[0..mr, 0..16 nz) (+)= x[0..mr, 0..kc) . panels wp[0..nz) (+ bias); x's rows ldx apart, y's ldy;
  * accumulate: continue the partial sums y holds (a K block after the first: the same sum, stored and
@@ -55,10 +60,47 @@ INLINE void tile(const float *x, int64_t ldx, int64_t kc, const float *wp, Strid
     }
     f32_tile_store(acc, bias, y, ldy, mr, nz);
 }
+#else
+/* AVX2 (Zen 3, Haswell..): as gemm_f32_wbf16.c's AVX2 tile, a panel's 16 outputs are two halves of 8
+ * lanes and the tile takes the group's panels one after another over the same x rows (from L1), so its
+ * 2 mr accumulators and a line's two halves fit the 16 ymm registers. */
+#define F32_ROWS 4 /* rows per micro-tile */
+
+/* The AVX-512 tile's contract (above), panel by panel. */
+INLINE void tile(const float *x, int64_t ldx, int64_t kc, const float *wp, Strides st, const float *bias,
+                 float *y, int64_t ldy, int mr, int nz, Prefetch pf, int accumulate) {
+    for (int z = 0; z < nz; z++) {
+        __m256 acc[MR + 1][2];  /* mr <= F32_ROWS here; the frame's tile cases go to MR + 1 */
+        for (int m = 0; m < mr; m++)
+            for (int h = 0; h < 2; h++)
+                acc[m][h] = accumulate ? _mm256_loadu_ps(y + m * ldy + z * NR + 8 * h) : _mm256_setzero_ps();
+        /* the next group's panel z while this sweeps panel z (gemm_f32_wbf16.c's AVX2 tile says why) */
+        Prefetch one = pf;
+        if (one.next != NULL) one.next = mr > 1 ? (const float *)pf.next + z * st.zstride : NULL;
+        int64_t countdown = one.next != NULL ? one.phase : kc;
+        const float *wz = wp + z * st.zstride;
+        for (int64_t k = 0; k < kc; k++) {
+            const float *line = wz + k * st.kstride;
+            const __m256 w[2] = {_mm256_loadu_ps(line), _mm256_loadu_ps(line + 8)};
+            prefetch_step(&one, &countdown, st, k, 1, 4);
+#pragma GCC unroll 4
+            for (int m = 0; m < mr; m++) {
+                const __m256 xb = _mm256_set1_ps(x[m * ldx + k]);
+                acc[m][0] = _mm256_fmadd_ps(xb, w[0], acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(xb, w[1], acc[m][1]);
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 b = bias != NULL ? _mm256_loadu_ps(bias + z * NR + 8 * h) : _mm256_setzero_ps();
+            for (int m = 0; m < mr; m++) _mm256_storeu_ps(y + m * ldy + z * NR + 8 * h, _mm256_add_ps(acc[m][h], b));
+        }
+    }
+}
+#endif
 
 DEFINE_TILE_ANY(tile_any, tile)
 
-static const PackedKernel F32 = {4, 1, 4, KC_MAX, 0, MR, tile_any, silu_mul_rows_f32};
+static const PackedKernel F32 = {4, 1, 4, KC_MAX, 0, F32_ROWS, tile_any, silu_mul_rows_f32};
 
 int gemm_f32_available(void) { return 1; }
 
@@ -87,7 +129,7 @@ int packed_rows_f32(const void *wp, const int64_t *ids, int64_t n, int64_t N, in
     return packed_rows(&F32, wp, ids, n, N, out, K);
 }
 
-#else /* no AVX-512F here: linear.py keeps the stored layout and F.linear */
+#else /* no AVX-512F or AVX2 here: linear.py keeps the stored layout and F.linear */
 
 int gemm_f32_available(void) { return 0; }
 
