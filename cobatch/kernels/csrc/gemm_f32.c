@@ -71,9 +71,7 @@ INLINE void tile(const float *x, int64_t ldx, int64_t kc, const float *wp, Strid
                  float *y, int64_t ldy, int mr, int nz, Prefetch pf, int accumulate) {
     for (int z = 0; z < nz; z++) {
         __m256 acc[MR + 1][2];  /* mr <= F32_ROWS here; the frame's tile cases go to MR + 1 */
-        for (int m = 0; m < mr; m++)
-            for (int h = 0; h < 2; h++)
-                acc[m][h] = accumulate ? _mm256_loadu_ps(y + m * ldy + z * NR + 8 * h) : _mm256_setzero_ps();
+        f32_panel_start(acc, y, ldy, mr, z, accumulate);
         /* the next group's panel z while this sweeps panel z (gemm_f32_wbf16.c's AVX2 tile says why) */
         Prefetch one = pf;
         if (one.next != NULL) one.next = mr > 1 ? (const float *)pf.next + z * st.zstride : NULL;
@@ -90,10 +88,7 @@ INLINE void tile(const float *x, int64_t ldx, int64_t kc, const float *wp, Strid
                 acc[m][1] = _mm256_fmadd_ps(xb, w[1], acc[m][1]);
             }
         }
-        for (int h = 0; h < 2; h++) {
-            const __m256 b = bias != NULL ? _mm256_loadu_ps(bias + z * NR + 8 * h) : _mm256_setzero_ps();
-            for (int m = 0; m < mr; m++) _mm256_storeu_ps(y + m * ldy + z * NR + 8 * h, _mm256_add_ps(acc[m][h], b));
-        }
+        f32_panel_store(acc, bias, y, ldy, mr, z);
     }
 }
 #endif

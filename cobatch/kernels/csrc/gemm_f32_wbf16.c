@@ -89,9 +89,7 @@ INLINE void tile(const float *x, int64_t ldx, int64_t kc, const uint16_t *wp, St
     const int64_t pairs = kc / 2;
     for (int z = 0; z < nz; z++) {
         __m256 acc[MR + 1][2];  /* mr <= WBF16_ROWS here; the frame's tile cases go to MR + 1 */
-        for (int m = 0; m < mr; m++)
-            for (int h = 0; h < 2; h++)
-                acc[m][h] = accumulate ? _mm256_loadu_ps(y + m * ldy + z * NR + 8 * h) : _mm256_setzero_ps();
+        f32_panel_start(acc, y, ldy, mr, z, accumulate);
         /* the next group's panel z while this sweeps panel z, at the AVX-512 tile's cadence (all of the
          * next group during the first sweep would not stay in L1 until it is read); a one-row tile leaves
          * it to the hardware prefetcher (on an AVX-512 Xeon with this build, M = 1: 1.15x without) */
@@ -114,10 +112,7 @@ INLINE void tile(const float *x, int64_t ldx, int64_t kc, const uint16_t *wp, St
                 }
             }
         }
-        for (int h = 0; h < 2; h++) {
-            const __m256 b = bias != NULL ? _mm256_loadu_ps(bias + z * NR + 8 * h) : _mm256_setzero_ps();
-            for (int m = 0; m < mr; m++) _mm256_storeu_ps(y + m * ldy + z * NR + 8 * h, _mm256_add_ps(acc[m][h], b));
-        }
+        f32_panel_store(acc, bias, y, ldy, mr, z);
     }
 }
 #endif

@@ -110,6 +110,22 @@ INLINE void f32_tile_store(const __m512 *acc, const float *bias, float *y, int64
         for (int m = 0; m < mr; m++) _mm512_storeu_ps(y + m * ldy + z * NR, _mm512_add_ps(acc[m * NZ + z], b));
     }
 }
+#elif defined(__AVX2__)
+/* An AVX2 tile's accumulators for panel z (two 8-lane halves per row; gemm_f32.c, gemm_f32_wbf16.c): the
+ * partial sums y holds (accumulate) or zeros. */
+INLINE void f32_panel_start(__m256 acc[][2], const float *y, int64_t ldy, int mr, int z, int accumulate) {
+    for (int m = 0; m < mr; m++)
+        for (int h = 0; h < 2; h++)
+            acc[m][h] = accumulate ? _mm256_loadu_ps(y + m * ldy + z * NR + 8 * h) : _mm256_setzero_ps();
+}
+
+/* Panel z's accumulators (+ bias, NULL: none) into y. */
+INLINE void f32_panel_store(__m256 acc[][2], const float *bias, float *y, int64_t ldy, int mr, int z) {
+    for (int h = 0; h < 2; h++) {
+        const __m256 b = bias != NULL ? _mm256_loadu_ps(bias + z * NR + 8 * h) : _mm256_setzero_ps();
+        for (int m = 0; m < mr; m++) _mm256_storeu_ps(y + m * ldy + z * NR + 8 * h, _mm256_add_ps(acc[m][h], b));
+    }
+}
 #endif
 
 /* The SiLU-multiply epilogue of a dtype (fused_ops.c: silu_mul_rows_bf16 / silu_mul_rows_f32). */
