@@ -7,12 +7,17 @@ parts through the torch profiler, which runs the Python layer loop instead of th
 
     .venv/bin/python scripts/kernel_timers.py        # decode B=1,32,64 at context 256; a 12 x 170 prefill
     .venv/bin/python scripts/kernel_timers.py 32:256 8:1024 prefill:1:2048
+    MODEL=/tmp/llama_cpp_shapes/qwen2.5-0.5b-q8_0.gguf DTYPE=auto NT=1 .venv/bin/python scripts/kernel_timers.py 1:64
+
+MODEL: an HF folder or .gguf file (default: the bundled model); DTYPE: bfloat16 (default), float32 or auto;
+NT: compute threads (default: the engine's).
 
 Arguments: B:CTX (decode rows with CTX cached tokens each) or prefill:N:L (N fresh prompts of L tokens).
 Not a benchmark of record: a tool for kernel work (run it alone; the machine is shared).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -36,11 +41,13 @@ def parse(arg: str, runner: ModelRunner) -> tuple[str, SchedulerOutput]:
 
 def main() -> None:
     args = sys.argv[1:] or ["1:256", "32:256", "64:256", "prefill:12:170"]
-    runner = ModelRunner.load(EngineConfig(dtype="bfloat16", max_num_batched_tokens=8192))
+    threads = int(os.environ["NT"]) if os.environ.get("NT") else None
+    runner = ModelRunner.load(EngineConfig(model=os.environ.get("MODEL"), dtype=os.environ.get("DTYPE", "bfloat16"),
+                                           num_threads=threads, thread_policy="fixed", max_num_batched_tokens=8192))
     decoder = runner.native_decoder
     timed = decoder.with_timers() if decoder is not None else None
     if timed is None:
-        raise SystemExit("the C layer loop is not available here (bf16 with the native kernels)")
+        raise SystemExit("the C layer loop is not available here for this model and dtype")
     runner.native_decoder = timed
     for arg in args:
         name, step = parse(arg, runner)

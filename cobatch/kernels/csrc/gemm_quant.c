@@ -62,7 +62,8 @@
  * then turned to fp32 once per 256-block: fewer conversions and FMAs a block, where one stream of a
  * K-quant is bound by them rather than by memory. Quantizing x costs what it costs
  * llama.cpp (about 0.4% of each block's largest value). Without AVX-512 VNNI the same arithmetic runs on the
- * same layout as AVX2 (each vpdpbusd as vpmaddubsw + vpmaddwd, a panel as two 8-lane halves), else (or with
+ * same layout as AVX2 (each vpdpbusd as vpmaddubsw, whose int16 pair sums are added over up to 8 code
+ * vectors before one vpmaddwd widens them: pairs_per_widen; a panel as two 8-lane halves), else (or with
  * -DQUANT_SCALAR) as plain C on 16-lane vectors.
  */
 #include "cobatch_kernels.h"
@@ -409,7 +410,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 /* ------------------------------------------------------------------------------------ the AVX2 path */
 
 /* A panel's 16 rows as two halves of 8 lanes (h = 0, 1), and vpdpbusd's sums of 4 u8 x s8 products as
- * vpmaddubsw (pairs, to int16) then vpmaddwd by 1 (pairs, to int32). vpmaddubsw saturates past 32767: a 4-
+ * vpmaddubsw (pairs, to int16), added up over pairs_per_widen code vectors, then vpmaddwd by 1 (to int32). vpmaddubsw saturates past 32767: a 4-
  * or 5-bit code times |q| <= 127 stays far below it, Q8_0's code (w + 128) would not, so Q8_0 multiplies
  * |w| by q carrying w's sign (llama.cpp's way) and starts at 0 instead of -o sum(q). */
 #define MR2 4  /* rows per micro-tile: 2 MR2 int32 sums kept in registers, 2 MR2 fp32 results beside them */
@@ -466,9 +467,19 @@ INLINE void k4_scale_min_half(const uint8_t *blk, int j, int h, __m256i *sc, __m
 
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
-/* sum + per 32-bit lane the dot of c's 4 bytes (unsigned) with x's (signed). */
-INLINE __m256i dot4(__m256i sum, __m256i c, __m256i x) {
-    return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), _mm256_set1_epi16(1)));
+/* The code vectors whose vpmaddubsw pair sums (int16) can be added before one vpmaddwd widens them: a pair
+ * is at most 2 x c_max x 127, so 8 of them for 4-bit codes (30480 <= 32767), 4 for 5-bit, 2 for Q6_K's
+ * 6-bit; Q8_0's |w| <= 128 leaves room for one. A third fewer instructions per 4-bit vector; the sums stay
+ * exact integers, so the bits are the same. */
+INLINE int pairs_per_widen(int qtype) {
+    if (qtype == QUANT_Q4_0 || qtype == QUANT_Q4_K) return 8;
+    if (qtype == QUANT_Q5_0 || qtype == QUANT_Q5_K) return 4;
+    return qtype == QUANT_Q6_K ? 2 : 1;
+}
+
+/* sum + per 32-bit lane the sums of pairs (int16) added pairwise into int32. */
+INLINE __m256i widen_add(__m256i sum, __m256i pairs) {
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
 #ifndef PREFETCH_J2
@@ -503,12 +514,10 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         /* the block's integer sum, the K-quants' times their scales (zeroed: gcc does not see hf 0 set it) */
         __m256i sum[MR2][2] = {{_mm256_setzero_si256()}};
         for (int hf = 0; hf < halves; hf++) {
+            /* the integer sums start at -o sum(q) at their first widening: not live before it (registers) */
             __m256i half[MR2][2];
-#pragma GCC unroll 4
-            for (int m = 0; m < mr; m++) {
-                const int64_t xb = (m0 + m) * nb + j;
-                half[m][0] = half[m][1] = _mm256_set1_epi32(-off * (halves == 2 ? x->s16[2 * xb + hf] : x->s[xb]));
-            }
+            const int widen = pairs_per_widen(qtype);
+            __m256i pairs[MR2][2];  /* int16 sums of pairs of products since the last widening */
 #pragma GCC unroll 8
             for (int g = hf * span; g < (hf + 1) * span; g++) {
                 __m256i c[2], sign[2];
@@ -517,11 +526,22 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                     if (qtype == QUANT_Q8_0) sign[h] = _mm256_xor_si256(c[h], _mm256_set1_epi8((char)0x80)),
                                              c[h] = _mm256_abs_epi8(sign[h]);
                 }
+                const int first = (g - hf * span) % widen == 0, last = (g - hf * span) % widen == widen - 1;
 #pragma GCC unroll 4
                 for (int m = 0; m < mr; m++) {
                     const __m256i xq = _mm256_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
-                    for (int h = 0; h < 2; h++)
-                        half[m][h] = dot4(half[m][h], c[h], qtype == QUANT_Q8_0 ? _mm256_sign_epi8(xq, sign[h]) : xq);
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i p = _mm256_maddubs_epi16(
+                            c[h], qtype == QUANT_Q8_0 ? _mm256_sign_epi8(xq, sign[h]) : xq);
+                        pairs[m][h] = first ? p : _mm256_add_epi16(pairs[m][h], p);
+                        if (last && g - hf * span < widen) {
+                            const int64_t xb = (m0 + m) * nb + j;
+                            const int32_t sq = halves == 2 ? x->s16[2 * xb + hf] : x->s[xb];
+                            half[m][h] = widen_add(_mm256_set1_epi32(-off * sq), pairs[m][h]);
+                        } else if (last) {
+                            half[m][h] = widen_add(half[m][h], pairs[m][h]);
+                        }
+                    }
                 }
             }
 #pragma GCC unroll 4
