@@ -13,9 +13,9 @@ load the very same file. Against each, in turn, one server up at a time:
 through `cobatch bench serve`'s client (token-id prompts, ignore_eos, the same lengths). The order of the
 two servers alternates per repeat (the host is shared and noisy: compare the ratios). The roofline of a
 one-stream decode is the read bandwidth (measured here, the servers' thread count) over the bytes a
-token reads: the file's matrices (the embedding table only when it is also the lm_head). cobatch on a
-CPU without AVX512-BF16 computes a bf16 file in fp32 (it reads twice the file's bytes); llama.cpp keeps
-bf16. The ceiling of a batch is compute: every multiply-add of its linear layers (prompts and outputs,
+token reads: the file's matrices (the embedding table only when it is also the lm_head). On a CPU
+without AVX512-BF16 both engines keep a bf16 file's bytes and widen them to fp32 for the math (cobatch:
+weight-only bf16, csrc/gemm_f32_wbf16.c). The ceiling of a batch is compute: every multiply-add of its linear layers (prompts and outputs,
 macs_per_output_token) at this CPU's one-thread peak of the instruction it needs (benchmarks/cpu_peak.py:
 int8 dot products for quantized files, fp32 FMAs for dense ones). JSON + plot.
 
