@@ -1,6 +1,9 @@
 """This CPU's compute peaks on one thread: int8 multiply-adds (AVX-512 VNNI's vpdpbusd), fp32 FMAs (AVX-512F)
 and, where the CPU has AVX512-BF16, bf16 pair dot products (vdpbf16ps), and where it has AMX-BF16, bf16
-tile products (tdpbf16ps, which cobatch's bf16 kernel uses there).
+tile products (tdpbf16ps, which cobatch's bf16 kernel uses there). On a CPU with AVX2 + FMA but no
+AVX-512 VNNI: int8 as vpmaddubsw (32 u8 x s8 products into int16 pair sums, what both cobatch's and
+llama.cpp's AVX2 dot products are built on) with a vpaddw each; the vpmaddwd that widens the sums is
+left out, so the ceiling is generous. fp32 as 8-lane FMAs.
 
 What a batch's ceiling is made of: at batch 16 a decode step is compute-bound, so no engine serves a
 batch faster than its multiply-adds over the peak rate of the instruction it needs: int8 dot products
@@ -103,6 +106,44 @@ int main(void) {
 """
 
 
+# The same loops on 256-bit registers (AVX2 + FMA, no AVX-512): int8 as vpmaddubsw, fp32 as 8-lane FMAs.
+_SOURCE_AVX2 = r"""
+#include <immintrin.h>
+#include <stdio.h>
+#include <time.h>
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+int main(void) {
+    const long reps = 100000000;
+    __m256i a[12], c[12], b = _mm256_set1_epi8(1);
+    for (int i = 0; i < 12; i++) a[i] = _mm256_setzero_si256(), c[i] = _mm256_set1_epi8((char)(i + 1));
+    double t = now();
+    for (long r = 0; r < reps; r++) { /* the pair sums added up in int16, as gemm_quant.c's AVX2 path does */
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) a[i] = _mm256_add_epi16(a[i], _mm256_maddubs_epi16(b, c[i]));
+        __asm__ volatile("" : "+x"(b));
+    }
+    const double int8_s = now() - t;
+    __m256 f[12], x = _mm256_set1_ps(0.5f), y = _mm256_set1_ps(0.25f);
+    for (int i = 0; i < 12; i++) f[i] = _mm256_setzero_ps();
+    t = now();
+    for (long r = 0; r < reps; r++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) f[i] = _mm256_fmadd_ps(f[i], x, y);
+        __asm__ volatile("" : "+x"(x));
+    }
+    const double fp32_s = now() - t;
+    __m256i sa = a[0];
+    __m256 sf = f[0];
+    for (int i = 1; i < 12; i++) sa = _mm256_add_epi16(sa, a[i]), sf = _mm256_add_ps(sf, f[i]);
+    int out[8];
+    float outf[8];
+    _mm256_storeu_si256((__m256i *)out, sa);
+    _mm256_storeu_ps(outf, sf);
+    printf("%.6e %.6e 0 0 %d %f\n", reps * 12.0 * 32 / int8_s, reps * 12.0 * 8 / fp32_s, out[0], outf[0]);
+    return 0;
+}
+"""
+
 _RUNS = 5  # ~0.7 s each
 
 
@@ -126,14 +167,15 @@ class ComputePeaks:
 
 
 def measure() -> ComputePeaks | None:
-    """Both peaks (the best of _RUNS runs: a peak, on a shared host), or None where there is no AVX-512
-    VNNI or no C compiler."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not {"avx512f", "avx512_vnni"} <= cpu_flags():
+    """Both peaks (the best of _RUNS runs: a peak, on a shared host), or None where there is neither AVX-512
+    VNNI nor AVX2 + FMA, or no C compiler."""
+    compiler, flags = shutil.which("cc") or shutil.which("gcc"), cpu_flags()
+    avx512 = {"avx512f", "avx512_vnni"} <= flags
+    if compiler is None or not (avx512 or {"avx2", "fma"} <= flags):
         return None
     with tempfile.TemporaryDirectory() as tmp:
         source, binary = Path(tmp) / "peak.c", Path(tmp) / "peak"
-        source.write_text(_SOURCE)
+        source.write_text(_SOURCE if avx512 else _SOURCE_AVX2)
         subprocess.run([compiler, "-O2", "-march=native", str(source), "-o", str(binary)], check=True,
                        capture_output=True, timeout=120)
         runs = [subprocess.run([str(binary)], check=True, capture_output=True, text=True, timeout=120).stdout.split()
@@ -145,13 +187,14 @@ def measure() -> ComputePeaks | None:
 def main() -> int:
     peaks = measure()
     if peaks is None:
-        print("needs AVX-512 VNNI and a C compiler", file=sys.stderr)
+        print("needs AVX-512 VNNI or AVX2 + FMA, and a C compiler", file=sys.stderr)
         return 1
     bf16 = f", bf16 {peaks.bf16_macs_per_s / 1e9:.1f} GMAC/s (vdpbf16ps)" if peaks.bf16_macs_per_s else ""
     if peaks.amx_bf16_macs_per_s:
         bf16 += f", bf16 {peaks.amx_bf16_macs_per_s / 1e9:.1f} GMAC/s (AMX tdpbf16ps)"
-    print(f"one thread: int8 {peaks.int8_macs_per_s / 1e9:.1f} GMAC/s (vpdpbusd), "
-          f"fp32 {peaks.fp32_macs_per_s / 1e9:.1f} GFMA/s (vfmadd, 16 lanes){bf16}")
+    avx512 = {"avx512f", "avx512_vnni"} <= cpu_flags()
+    print(f"one thread: int8 {peaks.int8_macs_per_s / 1e9:.1f} GMAC/s ({'vpdpbusd' if avx512 else 'vpmaddubsw'}), "
+          f"fp32 {peaks.fp32_macs_per_s / 1e9:.1f} GFMA/s (vfmadd, {16 if avx512 else 8} lanes){bf16}")
     return 0
 
 
