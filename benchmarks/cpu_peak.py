@@ -166,12 +166,16 @@ class ComputePeaks:
         return max(r for r in (self.bf16_macs_per_s, self.amx_bf16_macs_per_s, self.fp32_macs_per_s) if r)
 
 
+def _has_avx512_vnni() -> bool:
+    """Whether the AVX-512 probe (_SOURCE) runs here; else the AVX2 one."""
+    return {"avx512f", "avx512_vnni"} <= cpu_flags()
+
+
 def measure() -> ComputePeaks | None:
     """Both peaks (the best of _RUNS runs: a peak, on a shared host), or None where there is neither AVX-512
     VNNI nor AVX2 + FMA, or no C compiler."""
-    compiler, flags = shutil.which("cc") or shutil.which("gcc"), cpu_flags()
-    avx512 = {"avx512f", "avx512_vnni"} <= flags
-    if compiler is None or not (avx512 or {"avx2", "fma"} <= flags):
+    compiler, avx512 = shutil.which("cc") or shutil.which("gcc"), _has_avx512_vnni()
+    if compiler is None or not (avx512 or {"avx2", "fma"} <= cpu_flags()):
         return None
     with tempfile.TemporaryDirectory() as tmp:
         source, binary = Path(tmp) / "peak.c", Path(tmp) / "peak"
@@ -192,7 +196,7 @@ def main() -> int:
     bf16 = f", bf16 {peaks.bf16_macs_per_s / 1e9:.1f} GMAC/s (vdpbf16ps)" if peaks.bf16_macs_per_s else ""
     if peaks.amx_bf16_macs_per_s:
         bf16 += f", bf16 {peaks.amx_bf16_macs_per_s / 1e9:.1f} GMAC/s (AMX tdpbf16ps)"
-    avx512 = {"avx512f", "avx512_vnni"} <= cpu_flags()
+    avx512 = _has_avx512_vnni()
     print(f"one thread: int8 {peaks.int8_macs_per_s / 1e9:.1f} GMAC/s ({'vpdpbusd' if avx512 else 'vpmaddubsw'}), "
           f"fp32 {peaks.fp32_macs_per_s / 1e9:.1f} GFMA/s (vfmadd, {16 if avx512 else 8} lanes){bf16}")
     return 0

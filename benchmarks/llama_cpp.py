@@ -15,8 +15,8 @@ two servers alternates per repeat (the host is shared and noisy: compare the rat
 one-stream decode is the read bandwidth (measured here, the servers' thread count) over the bytes a
 token reads: the file's matrices (the embedding table only when it is also the lm_head). On a CPU
 without AVX512-BF16 both engines keep a bf16 file's bytes and widen them to fp32 for the math (cobatch:
-weight-only bf16, csrc/gemm_f32_wbf16.c). The ceiling of a batch is compute: every multiply-add of its linear layers (prompts and outputs,
-macs_per_output_token) at this CPU's one-thread peak of the instruction it needs (benchmarks/cpu_peak.py:
+weight-only bf16, csrc/gemm_f32_wbf16.c). The ceiling of a batch is compute: every multiply-add of its
+linear layers (prompts and outputs, macs_per_output_token) at this CPU's one-thread peak of the instruction it needs (benchmarks/cpu_peak.py:
 int8 dot products for quantized files, fp32 FMAs for dense ones). JSON + plot.
 
     .venv/bin/python -m benchmarks.llama_cpp --llama-cpp DIR [--shapes smollm2-135m,qwen2.5-0.5b]

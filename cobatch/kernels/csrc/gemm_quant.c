@@ -410,9 +410,10 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 /* ------------------------------------------------------------------------------------ the AVX2 path */
 
 /* A panel's 16 rows as two halves of 8 lanes (h = 0, 1), and vpdpbusd's sums of 4 u8 x s8 products as
- * vpmaddubsw (pairs, to int16), added up over pairs_per_widen code vectors, then vpmaddwd by 1 (to int32). vpmaddubsw saturates past 32767: a 4-
- * or 5-bit code times |q| <= 127 stays far below it, Q8_0's code (w + 128) would not, so Q8_0 multiplies
- * |w| by q carrying w's sign (llama.cpp's way) and starts at 0 instead of -o sum(q). */
+ * vpmaddubsw (pairs, to int16), added up over pairs_per_widen code vectors, then vpmaddwd by 1 (to
+ * int32). vpmaddubsw saturates past 32767: a 4- or 5-bit code times |q| <= 127 stays far below it,
+ * Q8_0's code (w + 128) would not, so Q8_0 multiplies |w| by q carrying w's sign (llama.cpp's way) and
+ * starts at 0 instead of -o sum(q). */
 #define MR2 4  /* rows per micro-tile: 2 MR2 int32 sums kept in registers, 2 MR2 fp32 results beside them */
 
 INLINE __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
