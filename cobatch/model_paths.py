@@ -26,6 +26,14 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
+def is_bundled_model(path: str | Path) -> bool:
+    """Whether `path` is the default model's file in its package (the loader serves it dense)."""
+    try:
+        return Path(path).resolve() == _default_model_path().resolve()
+    except FileNotFoundError:  # the package is not installed: nothing is the bundled model
+        return False
+
+
 def _default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

@@ -1,16 +1,17 @@
-"""Write a GGUF copy of a model with its matrices in Q8_0, Q4_0 or Q4_K, all metadata kept.
+"""Write a GGUF copy of a model with its matrices in Q8_0, Q4_0, Q4_1, Q5_1 or Q4_K, all metadata kept.
 
-Why: the default model ships as Q4_1 (which cobatch dequantizes); these files are the quantized kernels'
-end-to-end test inputs (tests/test_quantized_model.py) and the llama.cpp comparison's quantized weights
-(docs/BENCHMARKS.md, Quantized weights). Every 2-D tensor is requantized from its dequantized values:
-Q8_0 and Q4_0 with gguf-py's reference quantizer, Q4_K with models/quantization.py's plain one. As
-llama-quantize does, a matrix whose rows do not split into Q4_K's 256-weight super-blocks falls back to
-a 32-block format (here Q4_0; llama.cpp picks Q5_0); 1-D tensors (norms) stay F32. `--tensor-type
-REGEX=TYPE` (as llama-quantize's) writes the matrices whose GGUF name matches REGEX in TYPE instead, also
-in q5_0, q5_k or q6_k (the K-quants: K a multiple of 256), or in a type the kernel does not serve (q5_1,
-q4_1: gguf-py quantizes them): the mixed files that llama-quantize's Q4_K_M and the like are.
+Why: the default model ships as Q4_1 (which cobatch serves dense: it is the project's reference); these
+files are the quantized kernels' end-to-end test inputs (tests/test_quantized_model.py) and the llama.cpp
+comparison's quantized weights (docs/BENCHMARKS.md, Quantized weights). Every 2-D tensor is requantized
+from its dequantized values: the 32-weight formats with gguf-py's reference quantizer, Q4_K with
+models/quantization.py's plain one. As llama-quantize does, a matrix whose rows do not split into Q4_K's
+256-weight super-blocks falls back to a 32-block format (here Q4_0; llama.cpp picks Q5_0); 1-D tensors
+(norms) stay F32. `--tensor-type REGEX=TYPE` (as llama-quantize's) writes the matrices whose GGUF name
+matches REGEX in TYPE instead, also in q5_0, q5_k or q6_k (the K-quants: K a multiple of 256), or in a
+type the kernel does not serve (tq2_0, K a multiple of 256: gguf-py quantizes it): the mixed files that
+llama-quantize's Q4_K_M and the like are.
 
-    .venv/bin/python scripts/quantize_gguf.py OUT.gguf --type q8_0|q4_0|q4_k [--model IN.gguf] \
+    .venv/bin/python scripts/quantize_gguf.py OUT.gguf --type q8_0|q4_0|q4_1|q5_1|q4_k [--model IN.gguf] \
         [--tensor-type 'blk\.0\.attn_v=q5_0' ...]
 """
 from __future__ import annotations
@@ -27,10 +28,11 @@ from cobatch.model_paths import resolve_model_path
 from cobatch.models.quantization import GGUF_TYPES, quantize
 
 _FILE_TYPES = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+               "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
                "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S}
 _FALLBACK = "q4_0"  # for a Q4_K file's matrices with K % 256 != 0
 # For --tensor-type, types the kernel does not serve that gguf-py quantizes.
-_OTHER_TYPES = {"q5_1": gguf.GGMLQuantizationType.Q5_1, "q4_1": gguf.GGMLQuantizationType.Q4_1}
+_OTHER_TYPES = {"tq2_0": gguf.GGMLQuantizationType.TQ2_0}
 
 
 def _blocks(values: np.ndarray, fmt: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:

@@ -1,4 +1,4 @@
-"""The default model in Q8_0, Q4_0 and Q4_K GGUF files (scripts/quantize_gguf.py) and quantized at load from
+"""The default model in Q8_0, Q4_0, Q4_1, Q5_1 and Q4_K GGUF files (scripts/quantize_gguf.py) and quantized at load from
 an HF folder (`quantization="q8_0"`): its weights stay quantized (the model's tensor bytes are the
 file's), and its greedy output, teacher-forced through the same weights dequantized to fp32, ranks every
 token in that reference's top 5 (issue 20's criterion; most are its first choice)."""
@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import pytest
@@ -17,7 +18,8 @@ import torch
 
 from cobatch.kernels.quant_linear import is_quantized, native_quant_gemm, quant_type, quantized_rows, quantized_shape
 from cobatch.llm import LLM
-from cobatch.model_paths import resolve_model_path
+from cobatch.model_paths import is_bundled_model, resolve_model_path
+from cobatch.models.loader import _mostly_served
 from cobatch.runner.layer_loop import native_layer_loop
 from cobatch.sampling_params import SamplingParams
 
@@ -112,7 +114,8 @@ def _matrix_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if len(t.shape) > 1)
 
 
-@pytest.mark.parametrize("fmt,formats", [("q8_0", {"q8_0"}), ("q4_0", {"q4_0"}), ("q4_k", {"q4_k", "q4_0"})])
+@pytest.mark.parametrize("fmt,formats", [("q8_0", {"q8_0"}), ("q4_0", {"q4_0"}), ("q4_1", {"q4_1"}),
+                                         ("q5_1", {"q5_1"}), ("q4_k", {"q4_k", "q4_0"})])
 def test_quantized_gguf_keeps_its_bytes_and_matches_its_dequantized_weights(quantized_gguf, fmt: str,
                                                                           formats: set[str]) -> None:
     """No dense copy kept: the loaded model's matrices hold exactly the file's matrix bytes (the packed
@@ -129,13 +132,14 @@ def test_quantized_gguf_keeps_its_bytes_and_matches_its_dequantized_weights(quan
 
 
 # As llama-quantize's mixes do: some attn_v and ffn_down in other types, a fused q | k | v of two formats.
-MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.1[0-4]\.ffn_down=q4_1", r"blk\.2[0-4]\.attn_k=q8_0",
-       r"blk\.2[5-9]\.ffn_down=q5_0", r"blk\.[5-9]\.ffn_down=q6_k", r"blk\.1[5-9]\.ffn_down=q5_k")
+MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.1[0-4]\.ffn_down=tq2_0", r"blk\.2[0-4]\.attn_k=q8_0",
+       r"blk\.2[5-9]\.ffn_down=q5_0", r"blk\.[5-9]\.ffn_down=q6_k", r"blk\.1[5-9]\.ffn_down=q5_k",
+       r"blk\.2[0-4]\.ffn_down=q5_1")
 
 
 def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quantized_gguf) -> None:
-    """A Q4_1 matrix becomes Q8_0 (requantized), and so does q | k | v of mixed formats (exactly from a
-    Q5_0 v); a Q5_0, Q5_K or Q6_K ffn_down stays as it is (the K-quants' values exactly): no dense matrix, a
+    """A TQ2_0 matrix becomes Q8_0 (requantized), and so does q | k | v of mixed formats (exactly from a
+    Q5_0 v); a Q5_0, Q5_1, Q5_K or Q6_K ffn_down stays as it is (their values exactly): no dense matrix, a
     little more than the file's bytes, greedy output ranked by its dequantized weights as the plain
     files' is."""
     path = quantized_gguf("q4_0", *MIX)
@@ -147,6 +151,7 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     assert quant_type(model.layers[25].down_proj).name == "q5_0"
     assert quant_type(model.layers[5].down_proj).name == "q6_k"
     assert quant_type(model.layers[15].down_proj).name == "q5_k"
+    assert quant_type(model.layers[20].down_proj).name == "q5_1"
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() > 1)
     assert model_bytes <= 1.2 * _matrix_bytes(path)
     reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
@@ -154,19 +159,19 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     v_dense = torch.from_numpy(gguf.quants.dequantize(v.data, v.tensor_type))
     rows = torch.arange(quantized_shape(layer0)[0] - v_dense.shape[0], quantized_shape(layer0)[0])
     assert torch.equal(quantized_rows(rows, layer0.data, torch.float32), v_dense)
-    down = reader["blk.10.ffn_down.weight"]  # Q4_1: within Q8_0's rounding (and its fp16 scale's)
+    down = reader["blk.10.ffn_down.weight"]  # TQ2_0: within Q8_0's rounding (and its fp16 scale's)
     down_dense = torch.from_numpy(gguf.quants.dequantize(down.data, down.tensor_type))
     served = quantized_rows(torch.arange(down_dense.shape[0]), model.layers[10].down_proj.data, torch.float32)
     block_max = down_dense.abs().reshape(down_dense.shape[0], -1, 32).amax(-1, keepdim=True)
     error = (served - down_dense).abs().reshape(block_max.shape[0], -1, 32)
     assert (error <= block_max * (1 / 254 + 1 / 1024)).all()
-    for layer in (5, 15):  # Q6_K, Q5_K
+    for layer in (5, 15, 20):  # Q6_K, Q5_K, Q5_1
         down_k = reader[f"blk.{layer}.ffn_down.weight"]
         down_k_dense = torch.from_numpy(gguf.quants.dequantize(down_k.data, down_k.tensor_type))
         served_k = quantized_rows(torch.arange(down_k_dense.shape[0]), model.layers[layer].down_proj.data,
                                   torch.float32)
         assert torch.equal(served_k, down_k_dense)
-    _check_against_dequantized(llm, {"q4_0", "q8_0", "q5_0", "q5_k", "q6_k"})
+    _check_against_dequantized(llm, {"q4_0", "q8_0", "q5_0", "q5_1", "q5_k", "q6_k"})
 
 
 def test_hf_folder_quantized_at_load_matches_its_dequantized_weights(hf_folder: Path) -> None:
@@ -185,8 +190,22 @@ def test_quantization_at_load_holds_q8_0_bytes(hf_folder: Path) -> None:
     assert dense_bytes < 0.001 * weights * 4
 
 
-def test_a_file_mostly_in_other_types_is_served_dense() -> None:
-    """The shipped file is Q4_1 (no kernel) but for its Q8_0 embedding: all of it dequantized, as before."""
+def test_the_bundled_model_is_served_dense() -> None:
+    """The shipped file is Q4_1 (a served format) but it is the project's reference model: dequantized, by
+    name or by path."""
+    path = resolve_model_path(None)
+    assert path.name.endswith("Q4_1.gguf") and is_bundled_model(path) and is_bundled_model(str(path))
     llm = LLM(None, **ENGINE)
     assert not any(is_quantized(p) for p in _model(llm).parameters())
-    assert resolve_model_path(None).name.endswith("Q4_1.gguf")
+
+
+def test_a_file_mostly_in_other_types_is_served_dense() -> None:
+    """Requantizing most of a file to Q8_0 would hold more than its bytes: a file whose matrix bytes are
+    mostly in types the kernel does not serve stays dense; a few such matrices do not decide it."""
+    def tensor(kind: gguf.GGMLQuantizationType, n_bytes: int) -> SimpleNamespace:
+        return SimpleNamespace(shape=[64, 64], n_bytes=n_bytes, tensor_type=kind)
+
+    norm = SimpleNamespace(shape=[64], n_bytes=10**6, tensor_type=gguf.GGMLQuantizationType.F32)
+    q3, q4_1 = gguf.GGMLQuantizationType.Q3_K, gguf.GGMLQuantizationType.Q4_1
+    assert _mostly_served([tensor(q4_1, 60), tensor(q3, 40), norm])
+    assert not _mostly_served([tensor(q4_1, 40), tensor(q3, 60), norm])

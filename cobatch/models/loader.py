@@ -2,14 +2,17 @@
 
 Both sources are first turned into HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), then
 `build_model` fuses them into the decoder's layout (QKV and gate/up concatenated). A GGUF tensor in a
-format the quantized kernel serves (Q8_0, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K: kernels/quant_linear.py) stays as its
-blocks, a uint8 [N, K / block, block_bytes] tensor, and the model keeps it packed, never dense (so the Q6_K
-lm_head, attn_v and ffn_down of llama-quantize's Q4_K_M mix stay Q6_K). In a file mostly in those formats,
-a matrix in another quantized type (Q4_1, Q5_1, Q3_K ...) becomes Q8_0, requantized from its dequantized
-values, and so does a fused projection whose parts differ in format (exactly from Q4_0 and Q5_0 parts):
-dense fp32 copies of them would hold 4-5x their bytes and be streamed every step. Other files are dequantized with
-`gguf`. `quantization` ("q8_0" | "q4_0") quantizes the dense projections and embeddings at load
-(models/quantization.py).
+format the quantized kernel serves (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K: kernels/quant_linear.py)
+stays as its blocks, a uint8 [N, K / block, block_bytes] tensor, and the model keeps it packed, never dense
+(so the Q6_K lm_head, attn_v and ffn_down of llama-quantize's Q4_K_M mix stay Q6_K, and the Q5_1 matrices
+its Q5_K_M puts where K is no multiple of 256 stay Q5_1). In a file mostly in those formats, a matrix in
+another quantized type (Q3_K, Q2_K, IQ4_NL ...) becomes Q8_0, requantized from its dequantized values, and
+so does a fused projection whose parts differ in format (exactly from Q4_0 and Q5_0 parts): dense fp32
+copies of them would hold 4-5x their bytes and be streamed every step. Other files are dequantized with
+`gguf`, and so is the bundled model (model_paths.is_bundled_model): it is the project's reference, served
+dense as its figures and its token-for-token match with HF transformers are, and is Q4_1 only because that
+is how its package ships it. `quantization` ("q8_0" | "q4_0") quantizes the dense projections and
+embeddings at load (models/quantization.py).
 
 Weight-only bf16: a model computed in fp32 on CPU keeps a projection or embedding table whose source
 values are bf16 (a bf16 safetensors tensor, a GGUF BF16 tensor) in bf16 where the native fp32-on-bf16
@@ -34,7 +37,7 @@ from cobatch.kernels.quant_linear import FORMATS, QuantFormat, can_pack_blocks, 
 from cobatch.models.llama import LlamaForCausalLM
 from cobatch.models import quantization as quant
 from cobatch.models.model_config import ModelConfig, RopeScaling
-from cobatch.model_paths import is_gguf, resolve_model_path
+from cobatch.model_paths import is_bundled_model, is_gguf, resolve_model_path
 
 __all__ = ["ModelConfig", "build_model", "load_model", "load_model_config", "resolve_model_path"]
 
@@ -246,7 +249,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
     reader = gguf.GGUFReader(path)
     config = _gguf_config(reader, path)
     tensors: dict[str, torch.Tensor] = {}
-    keep_blocks = _mostly_served(reader.tensors)
+    keep_blocks = not is_bundled_model(path) and _mostly_served(reader.tensors)
     for t in reader.tensors:
         name = _gguf_to_hf_name(t.name)
         if name is None:
@@ -261,8 +264,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
 
 def _mostly_served(tensors: list) -> bool:
     """Whether most of a file's matrix bytes are in types the quantized kernel serves. A file mostly in
-    other types (the shipped Q4_1 model, whose embedding alone is Q8_0) is served dense, as before:
-    requantizing most of it would change the numerics of a model that runs dense anyway."""
+    other types (Q3_K, Q2_K, IQ*) is served dense: requantizing most of it to Q8_0 would hold more bytes
+    than the file and change the numerics of all of it."""
     matrices = [t for t in tensors if len(t.shape) == 2]
     served = sum(int(t.n_bytes) for t in matrices if quant.format_of(t.tensor_type) is not None)
     return served * 2 > sum(int(t.n_bytes) for t in matrices)

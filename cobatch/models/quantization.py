@@ -1,7 +1,8 @@
-"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K), for `--quantization` and the test files.
+"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K), for `--quantization` and the
+test files.
 
-Q8_0 and Q4_0 use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
-`quantize_row_q8_0_ref` / `quantize_row_q4_0_ref`, so a folder quantized here holds the bytes
+The 32-weight formats use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
+`quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` / ..., so a folder quantized here holds the bytes
 llama-quantize's reference path writes. gguf-py has no K-quant quantizers: `quantize_k_with_mins` is a
 plain one (each 32-weight sub-block's range mapped onto 0..15 for Q4_K, 0..31 for Q5_K, its scale and min
 rounded to 6 bits of the super block's fp16 d and dmin), and so is `quantize_q6_k` (each 16-weight
@@ -20,7 +21,8 @@ from cobatch.kernels.quant_linear import FORMATS, QuantFormat
 
 GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
               "q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_0": gguf.GGMLQuantizationType.Q5_0,
-              "q6_k": gguf.GGMLQuantizationType.Q6_K, "q5_k": gguf.GGMLQuantizationType.Q5_K}
+              "q6_k": gguf.GGMLQuantizationType.Q6_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
+              "q4_1": gguf.GGMLQuantizationType.Q4_1, "q5_1": gguf.GGMLQuantizationType.Q5_1}
 
 
 def format_of(tensor_type: gguf.GGMLQuantizationType) -> QuantFormat | None:

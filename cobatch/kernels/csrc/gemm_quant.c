@@ -1,5 +1,5 @@
-/* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 4.5, 5.5, 6.56 or
- * 8.5 bits per weight (Q8_0, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K), x fp32 or bf16, fp32 accumulation.
+/* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 4.5 to 8.5 bits per
+ * weight (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K), x fp32 or bf16, fp32 accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
  * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
@@ -15,6 +15,8 @@
  *     Q8_0: c = w + 128 (its int8 with the sign bit flipped, done once at packing), a = d, o = 128;
  *     Q4_0: c = the 4-bit code 0..15, a = d, o = 8;
  *     Q5_0: c = the 5-bit code 0..31 (4 low bits as Q4_0's, the fifth from qh), a = d, o = 16;
+ *     Q4_1, Q5_1: c = Q4_0's / Q5_0's code, w = d c + m with a min m per block, o = 0: sum(w x) =
+ *           dx (d sum(c q) + m sum(q)), the min's part one more FMA per block (llama.cpp's way too);
  *     Q4_K: c = the 4-bit code, per 32-weight sub-block i w = d scale_i c - dmin min_i, so over a
  *           256-block sum(w x) = dx (d sum_i scale_i sum(c q) - dmin sum_i min_i sum(q)) (Numerics);
  *     Q5_K: as Q4_K, c the 5-bit code 0..31 (4 low bits as Q4_K's, the fifth from qh);
@@ -31,6 +33,8 @@
  *                       4 g + t, high: 16 + 4 g + t)
  *     Q5_0 (352 bytes): d[16] fp16 | hb[16][4]: bit g of byte t of row l is the fifth bit of K 4 g + t
  *                       (GGUF's qh bit 4 g + t, regrouped at packing) | qs[4][16][4] as Q4_0's
+ *     Q4_1 (320 bytes): d[16] | m[16] fp16 | qs[4][16][4] as Q4_0's
+ *     Q5_1 (384 bytes): d[16] | m[16] fp16 | hb[16][4] as Q5_0's | qs[4][16][4] as Q4_0's
  *     Q4_K (2304 bytes): d[16] | dmin[16] fp16 | scales[3][16][4]: GGUF's 12 scale bytes of row l, 4 at a
  *                       time | qs[4][8][16][4]: GGUF's qs bytes 32 c + 4 g .. + 3 (low nibbles: K 64 c +
  *                       4 g + t, sub-block 2 c; high: 64 c + 32 + 4 g + t, sub-block 2 c + 1)
@@ -105,8 +109,8 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* Bytes of one panel block and weights per format block. */
-static const int64_t PANEL_BYTES[6] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176};
-static const int64_t BLOCK_K[6] = {32, 32, 256, 32, 256, 256};
+static const int64_t PANEL_BYTES[8] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176, NR * 20, NR * 24};
+static const int64_t BLOCK_K[8] = {32, 32, 256, 32, 256, 256, 32, 32};
 #define K5_HIGH 256  /* where a Q5_K panel block's fifth bits start (after the scales, before the codes) */
 /* Where a Q4_K / Q5_K panel block's 4-bit codes start: Q5_K's after its fifth bits, so that a 256-block is
  * read front to back (with the fifth bits last, as GGUF has them, its first 32-block read the block's end
@@ -122,6 +126,14 @@ static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K ? 2 : 1
  * macro: a plain expression of the literal qtype folds before the tile's loops are unrolled (as an inline
  * function it did not, and Q4_K's tile ran 1.9x slower). */
 #define HAS_MINS(qtype) ((qtype) == QUANT_Q4_K || (qtype) == QUANT_Q5_K)
+/* Q4_1, Q5_1: a min per 32-block, added (w = d c + m): m dx sum(q) once per block, after d dx sum(c q). */
+#define HAS_BLOCK_MIN(qtype) ((qtype) == QUANT_Q4_1 || (qtype) == QUANT_Q5_1)
+/* The 32-weight formats of 4-bit codes in Q4_0's order (Q4_0, Q4_1, Q5_0, Q5_1), those with a fifth bit
+ * (hb) too, and where a panel block's hb and qs start: after d (and m), qs after hb. */
+#define IS_NIBBLE_32(qtype) ((qtype) == QUANT_Q4_0 || (qtype) == QUANT_Q4_1 || IS_FIFTH_32(qtype))
+#define IS_FIFTH_32(qtype) ((qtype) == QUANT_Q5_0 || (qtype) == QUANT_Q5_1)
+#define FIFTH_AT(qtype) (HAS_BLOCK_MIN(qtype) ? 64 : 32)
+#define NIBBLES_AT(qtype) (FIFTH_AT(qtype) + (IS_FIFTH_32(qtype) ? 64 : 0))
 
 /* Q6_K: the 16 lanes' int8 scales of half hf of 32-block j, in the panel block at blk. */
 static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
@@ -238,12 +250,13 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
     }
 }
 
-/* o: the code of a zero weight in the formats without mins (w = a (c - o)). */
+/* o: the code of a zero weight in the formats without mins (w = a (c - o)); 0 in those with a min per block. */
 static inline float code_offset(int qtype) {
     switch (qtype) {
     case QUANT_Q8_0: return 128.0f;
     case QUANT_Q6_K: return 32.0f;
     case QUANT_Q5_0: return 16.0f;
+    case QUANT_Q4_1: case QUANT_Q5_1: return 0.0f;
     default: return 8.0f;
     }
 }
@@ -267,7 +280,7 @@ static void block_ab(int qtype, const uint8_t *blk, int lane, int j, int k, floa
         return;
     }
     *a = f16_to_f32(load_u16(blk + 2 * lane));
-    *b = *a * code_offset(qtype);
+    *b = HAS_BLOCK_MIN(qtype) ? -f16_to_f32(load_u16(blk + 32 + 2 * lane)) : *a * code_offset(qtype);
 }
 
 /* Code (0..255) of K index k (0..31) of 32-block j, row lane, in the panel block at blk. */
@@ -279,10 +292,10 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
         if (g % 4 < 3) return v[64 * (g % 4)] & 63;
         return (v[0] >> 6) | ((v[64] >> 6) << 2) | ((v[128] >> 6) << 4);
     }
-    if (qtype == QUANT_Q4_0) return (blk[32 + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf;
-    if (qtype == QUANT_Q5_0)
-        return ((blk[96 + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf) |
-               (((blk[32 + 4 * lane + t] >> g) & 1) << 4);
+    if (IS_NIBBLE_32(qtype)) {
+        const int low = (blk[NIBBLES_AT(qtype) + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf;
+        return IS_FIFTH_32(qtype) ? low | (((blk[FIFTH_AT(qtype) + 4 * lane + t] >> g) & 1) << 4) : low;
+    }
     const int c = (j % 8) / 2, low = (blk[K_CODES(qtype) + 512 * c + 64 * g + 4 * lane + t] >> (j % 2 ? 4 : 0)) & 0xf;
     if (qtype == QUANT_Q4_K) return low;
     return low | (((blk[K5_HIGH + 64 * g + 4 * lane + t] >> (j % 8)) & 1) << 4);  /* Q5_K */
@@ -322,10 +335,10 @@ INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
         if (qtype == QUANT_Q4_K) return lo;
         return lo | (((load_lanes(blk + K5_HIGH + 64 * g) >> (j % 8)) & 0x01010101u) << 4);  /* Q5_K */
     }
-    const LaneWords v = load_lanes(blk + (qtype == QUANT_Q5_0 ? 96 : 32) + 64 * (g % 4));
+    const LaneWords v = load_lanes(blk + NIBBLES_AT(qtype) + 64 * (g % 4));
     const LaneWords lo = (v >> (g < 4 ? 0 : 4)) & 0x0f0f0f0fu;
-    if (qtype == QUANT_Q4_0) return lo;
-    return lo | (((load_lanes(blk + 32) >> g) & 0x01010101u) << 4);  /* Q5_0: the fifth bit of each */
+    if (!IS_FIFTH_32(qtype)) return lo;
+    return lo | (((load_lanes(blk + FIFTH_AT(qtype)) >> g) & 0x01010101u) << 4);  /* Q5_0, Q5_1: the fifth bit */
 }
 
 /* The 32 codes of 32-block j of the panel block at blk: ct[k] holds K 32 j + k of the 16 rows. */
@@ -392,6 +405,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
                 LaneFloats y;
                 memcpy(&y, out + m * ldo + z * NR, sizeof y);
                 if (!IS_K_QUANT(qtype)) y += __builtin_convertvector(sum, LaneFloats) * (fp16_lanes(blk) * dx);
+                if (HAS_BLOCK_MIN(qtype)) y += fp16_lanes(blk + 32) * (dx * (float)x->s[xb]);
                 else {
                     ksum[m] = (j % 8 ? ksum[m] : (LaneInts){0}) + sum;
                     kmin[m] = (j % 8 ? kmin[m] : (LaneInts){0}) + mn * (int32_t)x->s[xb];
@@ -439,11 +453,12 @@ INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
                                             _mm256_set1_epi8(1));
         return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
     }
-    const __m256i v = load256(blk + (qtype == QUANT_Q5_0 ? 96 : 32) + 64 * (g % 4) + 32 * h);
+    const __m256i v = load256(blk + NIBBLES_AT(qtype) + 64 * (g % 4) + 32 * h);
     const __m256i lo = _mm256_and_si256(g < 4 ? v : _mm256_srli_epi16(v, 4), low);
-    if (qtype == QUANT_Q4_0) return lo;
-    /* Q5_0: bit g of each hb byte to bit 4 (a 16-bit shift, then the byte's own bit kept) */
-    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(blk + 32 + 32 * h), g), _mm256_set1_epi8(1));
+    if (!IS_FIFTH_32(qtype)) return lo;
+    /* Q5_0, Q5_1: bit g of each hb byte to bit 4 (a 16-bit shift, then the byte's own bit kept) */
+    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(blk + FIFTH_AT(qtype) + 32 * h), g),
+                                        _mm256_set1_epi8(1));
     return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
 }
 
@@ -473,8 +488,8 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
  * 6-bit; Q8_0's |w| <= 128 leaves room for one. A third fewer instructions per 4-bit vector; the sums stay
  * exact integers, so the bits are the same. */
 INLINE int pairs_per_widen(int qtype) {
-    if (qtype == QUANT_Q4_0 || qtype == QUANT_Q4_K) return 8;
-    if (qtype == QUANT_Q5_0 || qtype == QUANT_Q5_K) return 4;
+    if (qtype == QUANT_Q4_0 || qtype == QUANT_Q4_1 || qtype == QUANT_Q4_K) return 8;
+    if (IS_FIFTH_32(qtype) || qtype == QUANT_Q5_K) return 4;
     return qtype == QUANT_Q6_K ? 2 : 1;
 }
 
@@ -574,6 +589,10 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                 acc[m][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(a, dx), acc[m][h]);
                 if (HAS_MINS(qtype))
                     acc[m][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(kmin[m][h]), _mm256_mul_ps(dmin, dx), acc[m][h]);
+                if (HAS_BLOCK_MIN(qtype))  /* dmin: the block's m here */
+                    acc[m][h] = _mm256_fmadd_ps(
+                        dmin, _mm256_set1_ps(x->d[X_SCALE_AT(qtype, x, m0 + m, j)] * (float)x->s[(m0 + m) * nb + j]),
+                        acc[m][h]);
             }
         }
     }
@@ -596,6 +615,8 @@ QTILE_FN(tile_q4_k, QUANT_Q4_K)
 QTILE_FN(tile_q5_0, QUANT_Q5_0)
 QTILE_FN(tile_q6_k, QUANT_Q6_K)
 QTILE_FN(tile_q5_k, QUANT_Q5_K)
+QTILE_FN(tile_q4_1, QUANT_Q4_1)
+QTILE_FN(tile_q5_1, QUANT_Q5_1)
 
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz, a panel at a time (its blocks then stay in L1 for
  * every micro-tile of rows); the hardware prefetcher streams the panels. */
@@ -613,6 +634,8 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
             else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
             else if (qtype == QUANT_Q6_K) tile_q6_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
             else if (qtype == QUANT_Q5_K) tile_q5_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else if (qtype == QUANT_Q4_1) tile_q4_1(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else if (qtype == QUANT_Q5_1) tile_q5_1(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
             else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
         }
 }
@@ -635,14 +658,15 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
         return _mm512_and_si512(_mm512_ternarylogic_epi32(p01, p2, _mm512_set1_epi8(0x0f), 0xE4),
                                 _mm512_set1_epi8(0x3f));
     }
-    if (qtype == QUANT_Q4_0) {
-        __m512i v = _mm512_loadu_si512(blk + 32 + 64 * (g % 4));
+    if (qtype == QUANT_Q4_0 || qtype == QUANT_Q4_1) {
+        __m512i v = _mm512_loadu_si512(blk + NIBBLES_AT(qtype) + 64 * (g % 4));
         return _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low);
     }
-    if (qtype == QUANT_Q5_0) {
+    if (IS_FIFTH_32(qtype)) {
         /* bit g of each hb byte to bit 4 (16-bit shifts move no bit across a byte's bit 4 here), then
          * low nibble | that bit: one ternary op (0xF8: A | (B & C)) */
-        const __m512i v = _mm512_loadu_si512(blk + 96 + 64 * (g % 4)), hb = _mm512_loadu_si512(blk + 32);
+        const __m512i v = _mm512_loadu_si512(blk + NIBBLES_AT(qtype) + 64 * (g % 4));
+        const __m512i hb = _mm512_loadu_si512(blk + FIFTH_AT(qtype));
         const __m512i lo = _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low);
         const __m512i hi = g < 4 ? _mm512_slli_epi16(hb, 4 - g) : g > 4 ? _mm512_srli_epi16(hb, g - 4) : hb;
         return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x10), 0xF8);
@@ -869,17 +893,23 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                 for (int i = 0; i < mr * NZ; i++) ksum[i] = _mm512_add_epi32(ksum[i], sum[i]);
                 continue;
             }
-            __m512 a[NZ];
+            __m512 a[NZ], mn[NZ];  /* mn: Q4_1's, Q5_1's mins */
 #pragma GCC unroll 4
-            for (int z = 0; z < nz; z++) a[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z]));
+            for (int z = 0; z < nz; z++) {
+                a[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z]));
+                if (HAS_BLOCK_MIN(qtype)) mn[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[z] + 32)));
+            }
 #pragma GCC unroll 8
             for (int m = 0; m < mr; m++) {
-                const __m512 dx = _mm512_set1_ps(x->d[X_SCALE_AT(qtype, x, m0 + m, j)]);
+                const float dx1 = x->d[X_SCALE_AT(qtype, x, m0 + m, j)];
+                const __m512 dx = _mm512_set1_ps(dx1);
+                const __m512 mdx = _mm512_set1_ps(HAS_BLOCK_MIN(qtype) ? dx1 * (float)x->s[(m0 + m) * nb + j] : 0.0f);
 #pragma GCC unroll 4
                 for (int z = 0; z < nz; z++) {
                     const __m512 s = _mm512_cvtepi32_ps(sum[m * NZ + z]);
                     __m512 y = wide ? _mm512_loadu_ps(out + m * ldo + z * NR) : acc[m * NZ + z];
                     y = _mm512_fmadd_ps(s, _mm512_mul_ps(a[z], dx), y);
+                    if (HAS_BLOCK_MIN(qtype)) y = _mm512_fmadd_ps(mn[z], mdx, y);
                     if (wide) _mm512_storeu_ps(out + m * ldo + z * NR, y);
                     else acc[m * NZ + z] = y;
                 }
@@ -915,6 +945,8 @@ QTILE_FN(tile_q4_k, QUANT_Q4_K)
 QTILE_FN(tile_q5_0, QUANT_Q5_0)
 QTILE_FN(tile_q6_k, QUANT_Q6_K)
 QTILE_FN(tile_q5_k, QUANT_Q5_K)
+QTILE_FN(tile_q4_1, QUANT_Q4_1)
+QTILE_FN(tile_q5_1, QUANT_Q5_1)
 
 /* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but Q4_K and Q5_K (whose larger epilogue
  * gains nothing from it) and Q6_K (whose two half sums would need twice the registers). Fewer code
@@ -965,6 +997,8 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
         else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
         else if (qtype == QUANT_Q6_K) tile_q6_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
         else if (qtype == QUANT_Q5_K) tile_q5_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
+        else if (qtype == QUANT_Q4_1) tile_q4_1(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
+        else if (qtype == QUANT_Q5_1) tile_q5_1(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
         else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
     }
 }
@@ -992,7 +1026,7 @@ static int single_stream_rows = 0;
 void gemm_quant_set_single_stream(int max_rows) { single_stream_rows = max_rows; }
 
 static int check_shape(int qtype, int64_t N, int64_t K) {
-    return qtype >= 0 && qtype <= QUANT_Q5_K && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
+    return qtype >= 0 && qtype <= QUANT_Q5_1 && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
 }
 
 /* A task's rows of y (rows ldy apart, from column col0, width wide) in y's dtype, from tmp's fp32 (bf16 y)
@@ -1056,23 +1090,26 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
  * time: src[from + u unit ..] of lane l goes to dst[to + (16 u + l) unit ..]. */
 typedef struct { int from, to, bytes, unit; } Piece;
 
-static const Piece PIECES[6][5] = {
+static const Piece PIECES[8][5] = {
     {{0, 0, 2, 2}, {2, 32, 32, 4}},                                    /* Q8_0: d | codes */
     {{0, 0, 2, 2}, {2, 32, 16, 4}},                                    /* Q4_0: d | qs */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
     {{0, 0, 2, 2}, {6, 96, 16, 4}},                                    /* Q5_0: d | qs (hb: below) */
     {{208, 0, 2, 2}, {192, 32, 16, 1}},                                /* Q6_K: d | scales (codes: below) */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {48, K_CODES(QUANT_Q5_K), 128, 4}, {16, K5_HIGH, 32, 4}},  /* Q5_K */
+    {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 16, 4}},                     /* Q4_1: d | m | qs */
+    {{0, 0, 2, 2}, {2, 32, 2, 2}, {8, 128, 16, 4}},                    /* Q5_1: d | m | qs (hb: below) */
 };
 
-/* Q5_0's qh (bit k: the fifth bit of K k) of row lane -> hb byte t: bit g = the fifth bit of K 4 g + t. */
-static void pack_q5_0_high_bits(const uint8_t *src, int lane, uint8_t *dst) {
+/* Q5_0's or Q5_1's qh (bit k: the fifth bit of K k) of row lane -> hb byte t: bit g = the fifth bit of K
+ * 4 g + t. */
+static void pack_high_bits(const uint8_t *qh_bytes, int lane, uint8_t *hb) {
     uint32_t qh;
-    memcpy(&qh, src + 2, 4);
+    memcpy(&qh, qh_bytes, 4);
     for (int t = 0; t < 4; t++) {
         uint8_t byte = 0;
         for (int g = 0; g < 8; g++) byte |= (uint8_t)(((qh >> (4 * g + t)) & 1u) << g);
-        dst[32 + 4 * lane + t] = byte;
+        hb[4 * lane + t] = byte;
     }
 }
 
@@ -1108,7 +1145,8 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
                     for (int u = 0; u < pc.bytes / pc.unit; u++)
                         memcpy(dst + pc.to + (NR * u + l) * pc.unit, src + pc.from + u * pc.unit, (size_t)pc.unit);
                 }
-                if (qtype == QUANT_Q5_0) pack_q5_0_high_bits(src, l, dst);
+                if (IS_FIFTH_32(qtype))  /* qh after d (and m) */
+                    pack_high_bits(src + (HAS_BLOCK_MIN(qtype) ? 4 : 2), l, dst + FIFTH_AT(qtype));
                 if (qtype == QUANT_Q6_K) pack_q6_k_codes(src, l, dst);
             }
             if (qtype == QUANT_Q8_0) /* int8 -> code + 128: the kernel's unsigned operand */
