@@ -2,16 +2,16 @@
 
 scripts/quant_microbench.py times the library's own build against the read bandwidth; this one compares builds.
 
-Each format (Q8_0, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K) on an N x K matrix at M = 1 and 16 rows, weights out of cache
-(a ring of copies larger than the last-level cache; --in-cache: one copy, for a matrix that fits in L2), against
-torch's fp32 `F.linear` on the dense matrix (a ring too), each build's time also as GB/s of weights. Builds:
+Each format (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K) on an N x K matrix at M = 1 and 16 rows, weights
+out of cache (a ring of copies larger than the last-level cache; --in-cache: one copy, for a matrix that fits in
+L2), against torch's fp32 `F.linear` on the dense matrix (a ring too), each build's time also as GB/s of weights. Builds:
 this CPU's own path (AVX-512 VNNI, AVX2 or plain C), the plain C path (-DQUANT_SCALAR),
 with --baseline REV the gemm_quant.c of a git revision (its own default path), and with --variant
 NAME='-DX=1 ...' this tree's built with those flags (retuning a #define); each compiled alone with the
 library's flags. Prints a table and writes JSON.
 
     .venv/bin/python scripts/quant_builds_microbench.py [--baseline HEAD~1] [--n 1536 --k 1536] [--json PATH]
-        [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,q5_0,q5_k,q6_k] [--variant NAME=FLAGS ...]
+        [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,...] [--variant NAME=FLAGS ...]
         [--single-stream [--no-single-prefetch | --single-prefetch-l2]] [--wide-tiles] [--in-cache]
 """
 

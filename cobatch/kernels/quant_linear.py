@@ -1,11 +1,13 @@
-"""Linear layers on weights kept in GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K): csrc/gemm_quant.c.
+"""Linear layers on weights kept in GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_XS):
+csrc/gemm_quant.c.
 
 A weight arrives as GGUF's blocks, a uint8 tensor [N, K / block, block_bytes] (one row of blocks per
 output; `raw_blocks` views a GGUF tensor so). `pack_blocks` reorders those bytes once, at load, into
 the kernel's panels of 16 rows: the packed tensor [N / 16, K / block, 16 block_bytes] holds the same
 number of bytes (gemm_quant.c documents the layout; a Q8_0 code also has its sign bit flipped). Its last
-dimension names the format (544, 288, 320, 2304, 352, 384, 2816, 3360 bytes), so a packed weight is a plain uint8 Parameter and
-needs no side record: `is_quantized`, `quant_type` and `quantized_shape` read it off the shape.
+dimension names the format (544, 288, 320, 2304, 352, 384, 2816, 3360, 2176 bytes), so a packed weight is a plain
+uint8 Parameter and needs no side record: `is_quantized`, `quant_type` and `quantized_shape` read it off the
+shape.
 
 `quantized_linear(x, packed, bias)` runs the kernel on fp32 or bf16 x; `quantized_rows` dequantizes rows
 (an embedding lookup; a tied lm_head reads the same table through the kernel). Weights stay quantized
@@ -56,7 +58,8 @@ class QuantFormat:
 FORMATS = {f.name: f for f in (QuantFormat("q8_0", 0, 32, 34), QuantFormat("q4_0", 1, 32, 18),
                                QuantFormat("q4_k", 2, 256, 144), QuantFormat("q5_0", 3, 32, 22),
                                QuantFormat("q6_k", 4, 256, 210), QuantFormat("q5_k", 5, 256, 176),
-                               QuantFormat("q4_1", 6, 32, 20), QuantFormat("q5_1", 7, 32, 24))}
+                               QuantFormat("q4_1", 6, 32, 20), QuantFormat("q5_1", 7, 32, 24),
+                               QuantFormat("iq4_xs", 8, 256, 136))}
 _BY_PANEL_BYTES = {f.panel_bytes: f for f in FORMATS.values()}
 
 

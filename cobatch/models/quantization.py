@@ -1,5 +1,5 @@
-"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K), for `--quantization` and the
-test files.
+"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_XS), for `--quantization` and
+the test files.
 
 The 32-weight formats use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
 `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` / ..., so a folder quantized here holds the bytes
@@ -7,8 +7,10 @@ llama-quantize's reference path writes. gguf-py has no K-quant quantizers: `quan
 plain one (each 32-weight sub-block's range mapped onto 0..15 for Q4_K, 0..31 for Q5_K, its scale and min
 rounded to 6 bits of the super block's fp16 d and dmin), and so is `quantize_q6_k` (each 16-weight
 sub-block's largest value mapped onto -32, its scale rounded to an int8 of the super block's d, as the
-first step of llama.cpp's), both without llama.cpp's iterative search for the best scale, so their error
-is somewhat larger; the formats and the bytes' meaning are GGUF's (gguf-py dequantizes them, tested).
+first step of llama.cpp's), and so is `quantize_iq4_xs` (each 32-weight sub-block's largest value mapped
+onto the table's -127, its scale rounded to 6 bits of the super block's d, each weight to the nearest
+table value), all without llama.cpp's iterative search for the best scale, so their error is somewhat
+larger; the formats and the bytes' meaning are GGUF's (gguf-py dequantizes them, tested).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from cobatch.kernels.quant_linear import FORMATS, QuantFormat
 GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
               "q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_0": gguf.GGMLQuantizationType.Q5_0,
               "q6_k": gguf.GGMLQuantizationType.Q6_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
-              "q4_1": gguf.GGMLQuantizationType.Q4_1, "q5_1": gguf.GGMLQuantizationType.Q5_1}
+              "q4_1": gguf.GGMLQuantizationType.Q4_1, "q5_1": gguf.GGMLQuantizationType.Q5_1,
+              "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS}
+# IQ4_NL's and IQ4_XS's 16 weight values per unit of scale (llama.cpp's kvalues_iq4nl).
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
 def format_of(tensor_type: gguf.GGMLQuantizationType) -> QuantFormat | None:
@@ -38,20 +43,24 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
         data = quantize_k_with_mins(values, 5 if name == "q5_k" else 4)
     elif name == "q6_k":
         data = quantize_q6_k(values)
+    elif name == "iq4_xs":
+        data = quantize_iq4_xs(values)
     else:
         data = gguf.quants.quantize(values, GGUF_TYPES[name])
     return torch.from_numpy(np.ascontiguousarray(data)).view(weight.shape[0], -1, fmt.block_bytes)
 
 
 # Types whose every value a Q8_0 block holds exactly (same fp16 scale per 32 weights, integer codes
-# within int8): to_q8_0 converts their blocks losslessly (a fused projection of mixed formats).
-EXACT_IN_Q8_0 = frozenset((gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_0))
+# within int8): to_q8_0 converts their blocks losslessly (a fused projection of mixed formats; IQ4_NL,
+# the fallback of IQ4_XS files where K is no multiple of 256).
+EXACT_IN_Q8_0 = frozenset((gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_0,
+                           gguf.GGMLQuantizationType.IQ4_NL))
 
 
 def to_q8_0(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """A GGUF matrix [N, row bytes] of any type -> Q8_0 blocks [N, K / 32, 34]: exact for Q4_0 and Q5_0
-    (d kept, code - offset as the int8), else gguf-py's Q8_0 quantization of its dequantized values
-    (an error of at most half of each 32-block's max / 127)."""
+    """A GGUF matrix [N, row bytes] of any type -> Q8_0 blocks [N, K / 32, 34]: exact for Q4_0, Q5_0 and
+    IQ4_NL (d kept, code - offset or the table's value as the int8), else gguf-py's Q8_0 quantization of
+    its dequantized values (an error of at most half of each 32-block's max / 127)."""
     if tensor_type not in EXACT_IN_Q8_0:
         values = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, tensor_type)))
         return quantize(values, "q8_0")
@@ -62,6 +71,8 @@ def to_q8_0(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.T
         qh = blocks[..., 2:6].copy().view("<u4")  # bit j: the fifth bit of code j
         codes |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int16)
         codes -= 16
+    elif tensor_type == gguf.GGMLQuantizationType.IQ4_NL:
+        codes = IQ4_VALUES[codes].astype(np.int16)
     else:
         codes -= 8
     out = np.concatenate([blocks[..., :2], codes.astype(np.int8).view(np.uint8)], axis=-1)
@@ -110,6 +121,26 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
     out = np.concatenate([ql.reshape(n, k // 256, 128), qh.reshape(n, k // 256, 64), sc.view(np.uint8),
                           d[..., None].view(np.uint8)], axis=-1)
+    return out.reshape(n, -1)
+
+
+def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
+    """[N, K] fp32 (K % 256 == 0) -> IQ4_XS bytes [N, K / 256 * 136]."""
+    n, k = values.shape
+    sub = values.reshape(n, k // 256, 8, 32).astype(np.float32)
+    scale = _signed_absmax(sub) / -127.0  # the sub-block's largest value -> the table's -127   [n, sb, 8]
+    d = (_signed_absmax(scale) / -32.0).astype(np.float16)  # the largest scale -> -32   [n, sb]
+    sc = _ratio(scale, d).clip(-32, 31).astype(np.int16)
+    step = d.astype(np.float32)[..., None] * sc  # each sub-block's weight per table unit
+    with np.errstate(divide="ignore", invalid="ignore"):
+        units = np.where(step[..., None] != 0, sub / np.where(step[..., None] != 0, step[..., None], 1.0), 0.0)
+    table = IQ4_VALUES.astype(np.float32)
+    codes = np.searchsorted((table[1:] + table[:-1]) / 2, units).astype(np.uint8)  # the nearest value's index
+    qs = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, k // 256, 128)
+    ls = (sc + 32).astype(np.uint16)  # [n, sb, 8]: 6 bits each
+    scales_h = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=-1, dtype=np.uint16)
+    scales_l = ((ls[..., 0::2] & 0xF) | ((ls[..., 1::2] & 0xF) << 4)).astype(np.uint8)
+    out = np.concatenate([d[..., None].view(np.uint8), scales_h[..., None].view(np.uint8), scales_l, qs], axis=-1)
     return out.reshape(n, -1)
 
 

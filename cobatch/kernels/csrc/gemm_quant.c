@@ -1,5 +1,5 @@
 /* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 4.5 to 8.5 bits per
- * weight (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K), x fp32 or bf16, fp32 accumulation.
+ * weight (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_XS), x fp32 or bf16, fp32 accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
  * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
@@ -21,7 +21,10 @@
  *           256-block sum(w x) = dx (d sum_i scale_i sum(c q) - dmin sum_i min_i sum(q)) (Numerics);
  *     Q5_K: as Q4_K, c the 5-bit code 0..31 (4 low bits as Q4_K's, the fifth from qh);
  *     Q6_K: c = the 6-bit code 0..63, per 16-weight sub-block a = d * scale (int8), o = 32: each half
- *           of a 32-block has its own integer sum, times its scale (Numerics), and a = d.
+ *           of a 32-block has its own integer sum, times its scale (Numerics), and a = d;
+ *     IQ4_XS: c = the 4-bit index's value in llama.cpp's non-linear table (int8) + 128, looked up by a
+ *           byte shuffle (vpshufb), o = 128, per 32-weight sub-block a = d * scale (6 bits, - 32): as
+ *           Q6_K, the sub-block's integer sum times its scale.
  *
  * Layout (kernels/quant_linear.py packs it once at load from GGUF's blocks; the same bytes, reordered): the
  * weight is cut into panels of 16 output rows, and each panel into its blocks along K (32 weights, K-quants:
@@ -40,6 +43,9 @@
  *                       4 g + t, sub-block 2 c; high: 64 c + 32 + 4 g + t, sub-block 2 c + 1)
  *     Q5_K (2816 bytes): Q4_K's header | hb[8][16][4]: GGUF's qh bytes 4 g .. 4 g + 3 of row l (bit s of
  *                       byte t: the fifth bit of K 32 s + 4 g + t, sub-block s) | qs as Q4_K's (K_CODES)
+ *     IQ4_XS (2176 bytes): d[16] fp16 | scales_h[16] u16 | scales_l[16][4]: GGUF's of row l (sub-block i's
+ *                       scale: nibble i of the 4 bytes, bits 2 i, 2 i + 1 of scales_h on top) | then per
+ *                       32-block c (0..7): qs[4][16][4] as Q4_0's (GGUF's qs bytes 16 c + 4 g .. + 3)
  *     Q6_K (3360 bytes): d[16] fp16 | scales[16][16] int8 (sub-block s of lane l at 16 s + l) | then per
  *                       32-block c (0..7) of the super-block, per half h: v[3][16][4]: byte (r, l, t) =
  *                       the code of K 32 c + 16 h + 4 r + t in bits 0..5, and bits 2 r, 2 r + 1 of the
@@ -109,8 +115,9 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* Bytes of one panel block and weights per format block. */
-static const int64_t PANEL_BYTES[8] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176, NR * 20, NR * 24};
-static const int64_t BLOCK_K[8] = {32, 32, 256, 32, 256, 256, 32, 32};
+static const int64_t PANEL_BYTES[9] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176, NR * 20, NR * 24,
+                                       NR * 136};
+static const int64_t BLOCK_K[9] = {32, 32, 256, 32, 256, 256, 32, 32, 256};
 #define K5_HIGH 256  /* where a Q5_K panel block's fifth bits start (after the scales, before the codes) */
 /* Where a Q4_K / Q5_K panel block's 4-bit codes start: Q5_K's after its fifth bits, so that a 256-block is
  * read front to back (with the fifth bits last, as GGUF has them, its first 32-block read the block's end
@@ -135,6 +142,10 @@ static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K ? 2 : 1
 #define FIFTH_AT(qtype) (HAS_BLOCK_MIN(qtype) ? 64 : 32)
 #define NIBBLES_AT(qtype) (FIFTH_AT(qtype) + (IS_FIFTH_32(qtype) ? 64 : 0))
 
+#define IQ4_CODES 128  /* where an IQ4_XS panel block's codes start (after d and the scales) */
+/* IQ4_XS: llama.cpp's table of the 16 weight values (kvalues_iq4nl), + 128: the kernel's unsigned codes. */
+static const uint8_t IQ4_CODE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
 /* Q6_K: the 16 lanes' int8 scales of half hf of 32-block j, in the panel block at blk. */
 static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
     return blk + 32 + 16 * (2 * (j % 8) + hf);
@@ -142,7 +153,11 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
 
 /* The K-quants (256-weight blocks whose sub-blocks carry integer scales): x is quantized per 256 for them,
  * so a whole block's integer sums add up as integers before one fp32 step (llama.cpp's Q8_K). */
-#define IS_K_QUANT(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q6_K)
+#define IS_K_QUANT(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q6_K || (qtype) == QUANT_IQ4_XS)
+/* The K-quants whose sub-block scales are unpacked once per 256-block (kscale), rather than read per 32. */
+#define HAS_KSCALE(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_IQ4_XS)
+/* Codes that are a signed int8 + 128 (Q8_0, IQ4_XS): the AVX2 path multiplies |w| by x with w's sign. */
+#define SIGNED_CODES(qtype) ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_XS)
 #define KB 256  /* weights per K-quant block, and per x scale for them */
 
 /* x quantized: codes [M, K] int8, a scale per `span` values (32, or KB for the K-quants) [M, K / span],
@@ -253,12 +268,18 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
 /* o: the code of a zero weight in the formats without mins (w = a (c - o)); 0 in those with a min per block. */
 static inline float code_offset(int qtype) {
     switch (qtype) {
-    case QUANT_Q8_0: return 128.0f;
+    case QUANT_Q8_0: case QUANT_IQ4_XS: return 128.0f;
     case QUANT_Q6_K: return 32.0f;
     case QUANT_Q5_0: return 16.0f;
     case QUANT_Q4_1: case QUANT_Q5_1: return 0.0f;
     default: return 8.0f;
     }
+}
+
+/* IQ4_XS: sub-block i's (0..7) scale of row lane, -32..31. */
+static inline int iq4_scale(const uint8_t *blk, int lane, int i) {
+    const int low = (blk[64 + 4 * lane + i / 2] >> (4 * (i % 2))) & 0xf;
+    return (low | (((load_u16(blk + 32 + 2 * lane) >> (2 * i)) & 3) << 4)) - 32;
 }
 
 /* The weight w = a c - b at K index k (0..31) of 32-block j (of the panel block at blk) for row lane. */
@@ -270,6 +291,11 @@ static void block_ab(int qtype, const uint8_t *blk, int lane, int j, int k, floa
         return;
     }
     (void)k;
+    if (qtype == QUANT_IQ4_XS) {
+        *a = f16_to_f32(load_u16(blk + 2 * lane)) * (float)iq4_scale(blk, lane, j % 8);
+        *b = *a * 128.0f;
+        return;
+    }
     if (HAS_MINS(qtype)) {
         uint8_t q[12];
         for (int i = 0; i < 3; i++) memcpy(q + 4 * i, blk + 64 + 64 * i + 4 * lane, 4);
@@ -292,6 +318,8 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
         if (g % 4 < 3) return v[64 * (g % 4)] & 63;
         return (v[0] >> 6) | ((v[64] >> 6) << 2) | ((v[128] >> 6) << 4);
     }
+    if (qtype == QUANT_IQ4_XS)
+        return IQ4_CODE[(blk[IQ4_CODES + 256 * (j % 8) + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf];
     if (IS_NIBBLE_32(qtype)) {
         const int low = (blk[NIBBLES_AT(qtype) + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf;
         return IS_FIFTH_32(qtype) ? low | (((blk[FIFTH_AT(qtype) + 4 * lane + t] >> g) & 1) << 4) : low;
@@ -323,6 +351,14 @@ INLINE LaneWords load_lanes(const uint8_t *p) { LaneWords v; memcpy(&v, p, sizeo
 /* Codes vector g of 32-block j as 16 lanes of 4 codes, one per byte (the VNNI path's operand). */
 INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
     if (qtype == QUANT_Q8_0) return load_lanes(blk + 32 + 64 * g);
+    if (qtype == QUANT_IQ4_XS) {  /* each index through the table */
+        const LaneWords v = (load_lanes(blk + IQ4_CODES + 256 * (j % 8) + 64 * (g % 4)) >> (g < 4 ? 0 : 4)) &
+                            0x0f0f0f0fu;
+        LaneWords c = (LaneWords){0};
+        for (int lane = 0; lane < NR; lane++)
+            for (int t = 0; t < 4; t++) c[lane] |= (uint32_t)IQ4_CODE[(v[lane] >> (8 * t)) & 0xf] << (8 * t);
+        return c;
+    }
     if (qtype == QUANT_Q6_K) {
         const uint8_t *v = blk + Q6_CODES + Q6_BLOCK * (j % 8) + 192 * (g / 4);
         if (g % 4 < 3) return load_lanes(v + 64 * (g % 4)) & 0x3f3f3f3fu;
@@ -350,11 +386,15 @@ INLINE void block_codes(int qtype, const uint8_t *blk, int j, LaneInts ct[QB]) {
 }
 
 /* The K-quants' integer scales of 32-block j, per lane: Q4_K / Q5_K its scale and min, Q6_K each half's
- * scale (sc[0], sc[1]). */
+ * scale (sc[0], sc[1]), IQ4_XS its scale. */
 INLINE void k_scales(int qtype, const uint8_t *blk, int j, LaneInts sc[2], LaneInts *mn) {
     for (int lane = 0; lane < NR; lane++) {
         if (qtype == QUANT_Q6_K) {
             for (int hf = 0; hf < 2; hf++) sc[hf][lane] = (int8_t)q6_scales(blk, j, hf)[lane];
+            continue;
+        }
+        if (qtype == QUANT_IQ4_XS) {
+            sc[0][lane] = iq4_scale(blk, lane, j % 8);
             continue;
         }
         uint8_t q[12];
@@ -436,6 +476,11 @@ INLINE __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m2
 INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return load256(blk + 32 + 64 * g + 32 * h);
+    if (qtype == QUANT_IQ4_XS) {  /* the indices through the table, a byte shuffle per 16 */
+        const __m256i v = load256(blk + IQ4_CODES + 256 * j + 64 * (g % 4) + 32 * h);
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_CODE));
+        return _mm256_shuffle_epi8(table, _mm256_and_si256(g < 4 ? v : _mm256_srli_epi16(v, 4), low));
+    }
     if (qtype == QUANT_Q6_K) {
         const uint8_t *v = blk + Q6_CODES + Q6_BLOCK * j + 192 * (g / 4) + 32 * h;
         if (g % 4 < 3) return _mm256_and_si256(load256(v + 64 * (g % 4)), _mm256_set1_epi8(0x3f));
@@ -481,6 +526,16 @@ INLINE void k4_scale_min_half(const uint8_t *blk, int j, int h, __m256i *sc, __m
                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(d1, top), m2), 4));
 }
 
+/* IQ4_XS: half h of sub-block j's scale, one per lane (iq4_scale). */
+INLINE __m256i iq4_scale_half(const uint8_t *blk, int j, int h) {
+    const __m256i low = _mm256_srl_epi32(load256(blk + 64 + 32 * h), _mm_cvtsi32_si128(4 * j));
+    const __m256i high = _mm256_srl_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h))),
+                                          _mm_cvtsi32_si128(2 * j));
+    const __m256i ls = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0xf)),
+                                       _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(3)), 4));
+    return _mm256_sub_epi32(ls, _mm256_set1_epi32(32));
+}
+
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* The code vectors whose vpmaddubsw pair sums (int16) can be added before one vpmaddwd widens them: a pair
@@ -510,7 +565,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
     __m256 acc[MR2][2];
     for (int m = 0; m < MR2; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     const int64_t nb = K / QB;
-    const int32_t off = HAS_MINS(qtype) || qtype == QUANT_Q8_0 ? 0 : (int32_t)code_offset(qtype);
+    const int32_t off = HAS_MINS(qtype) || SIGNED_CODES(qtype) ? 0 : (int32_t)code_offset(qtype);
     const int halves = sums_per_block(qtype), span = 8 / halves;  /* span: code vectors per integer sum */
     __m256i ksum[MR2][2] = {{_mm256_setzero_si256()}}, kmin[MR2][2] = {{_mm256_setzero_si256()}};
     for (int64_t j = 0; j < nb; j++) {
@@ -524,6 +579,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         __m256i sc[2][2], mn[2];  /* the K-quants' scales per half of the lanes ([hf][h]; Q4_K, Q5_K: hf 0), mins */
         for (int h = 0; h < 2; h++) {
             if (HAS_MINS(qtype)) k4_scale_min_half(blk, jj, h, &sc[0][h], &mn[h]);
+            if (qtype == QUANT_IQ4_XS) sc[0][h] = iq4_scale_half(blk, jj, h);
             for (int hf = 0; hf < halves && qtype == QUANT_Q6_K; hf++)
                 sc[hf][h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q6_scales(blk, j, hf) + 8 * h)));
         }
@@ -539,7 +595,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                 __m256i c[2], sign[2];
                 for (int h = 0; h < 2; h++) {
                     c[h] = half_codes(qtype, blk, jj, g, h);
-                    if (qtype == QUANT_Q8_0) sign[h] = _mm256_xor_si256(c[h], _mm256_set1_epi8((char)0x80)),
+                    if (SIGNED_CODES(qtype)) sign[h] = _mm256_xor_si256(c[h], _mm256_set1_epi8((char)0x80)),
                                              c[h] = _mm256_abs_epi8(sign[h]);
                 }
                 const int first = (g - hf * span) % widen == 0, last = (g - hf * span) % widen == widen - 1;
@@ -548,7 +604,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                     const __m256i xq = _mm256_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
                     for (int h = 0; h < 2; h++) {
                         const __m256i p = _mm256_maddubs_epi16(
-                            c[h], qtype == QUANT_Q8_0 ? _mm256_sign_epi8(xq, sign[h]) : xq);
+                            c[h], SIGNED_CODES(qtype) ? _mm256_sign_epi8(xq, sign[h]) : xq);
                         pairs[m][h] = first ? p : _mm256_add_epi16(pairs[m][h], p);
                         if (last && g - hf * span < widen) {
                             const int64_t xb = (m0 + m) * nb + j;
@@ -617,6 +673,7 @@ QTILE_FN(tile_q6_k, QUANT_Q6_K)
 QTILE_FN(tile_q5_k, QUANT_Q5_K)
 QTILE_FN(tile_q4_1, QUANT_Q4_1)
 QTILE_FN(tile_q5_1, QUANT_Q5_1)
+QTILE_FN(tile_iq4_xs, QUANT_IQ4_XS)
 
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz, a panel at a time (its blocks then stay in L1 for
  * every micro-tile of rows); the hardware prefetcher streams the panels. */
@@ -636,6 +693,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
             else if (qtype == QUANT_Q5_K) tile_q5_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
             else if (qtype == QUANT_Q4_1) tile_q4_1(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
             else if (qtype == QUANT_Q5_1) tile_q5_1(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else if (qtype == QUANT_IQ4_XS) tile_iq4_xs(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
             else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
         }
 }
@@ -646,6 +704,11 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return _mm512_loadu_si512(blk + 32 + 64 * g);
+    if (qtype == QUANT_IQ4_XS) {  /* the indices through the table, a byte shuffle per 16 */
+        const __m512i v = _mm512_loadu_si512(blk + IQ4_CODES + 256 * j + 64 * (g % 4));
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODE));
+        return _mm512_shuffle_epi8(table, _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low));
+    }
     if (qtype == QUANT_Q6_K) {
         const uint8_t *v = blk + Q6_CODES + Q6_BLOCK * j + 192 * (g / 4);
         if (g % 4 < 3) return _mm512_and_si512(_mm512_loadu_si512(v + 64 * (g % 4)), _mm512_set1_epi8(0x3f));
@@ -710,6 +773,18 @@ INLINE __m512i k4_min_sum(const __m512i mins[2], const int16_t *bs) {
         sum = _mm512_dpwssd_epi32(sum, _mm512_shuffle_epi8(mins[p / 2], pair[p % 2]), _mm512_set1_epi32(xs));
     }
     return sum;
+}
+
+/* IQ4_XS: a 256-block's 8 sub-block scales (iq4_scale), a vector each. */
+INLINE void iq4_unpack(const uint8_t *blk, __m512i sc[8]) {
+    const __m512i low = _mm512_loadu_si512(blk + 64);
+    const __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(low, _mm_cvtsi32_si128(4 * i)), _mm512_set1_epi32(0xf));
+        const __m512i hi = _mm512_and_si512(_mm512_srl_epi32(high, _mm_cvtsi32_si128(2 * i)), _mm512_set1_epi32(3));
+        sc[i] = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+    }
 }
 
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
@@ -820,7 +895,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
     const int per = IS_K_QUANT(qtype) ? KB / QB : 1;
     for (int64_t j0 = 0; j0 < nb; j0 += per) {
         __m512i ksum[MR_WIDE * NZ];  /* K-quants: the 256-block's integer sums so far, each times its scale */
-        /* Q4_K, Q5_K: the 256-block's scales, a vector per sub-block, in memory (indexed by jj at run time):
+        /* Q4_K, Q5_K, IQ4_XS: the 256-block's scales, a vector per sub-block, in memory (indexed by jj at run time):
          * in registers beside ksum they would spill a 4 x 3 tile's sums */
         __m512i kscale[NZ][8];
         if (IS_K_QUANT(qtype))
@@ -833,6 +908,9 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 8
                 for (int i = 0; i < 8; i++) kscale[z][i] = k4_scale(sm, i);
             }
+        if (qtype == QUANT_IQ4_XS)
+#pragma GCC unroll 4
+            for (int z = 0; z < nz; z++) iq4_unpack(panel_block(qtype, w, K, p0 + z, j0), kscale[z]);
         for (int64_t j = j0; j < j0 + per; j++) {
             const int jj = (int)(j - j0);  /* a K-quant's sub-block */
             const uint8_t *blk[NZ];
@@ -878,7 +956,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 4
                 for (int z = 0; z < nz; z++) {  /* the K-quants: times the sub-block's scale (Numerics) */
                     const __m512i sc = !IS_K_QUANT(qtype) ? _mm512_setzero_si512()
-                                       : HAS_MINS(qtype) ? kscale[z][jj]
+                                       : HAS_KSCALE(qtype) ? kscale[z][jj]
                                        : _mm512_cvtepi8_epi32(
                                              _mm_loadu_si128((const __m128i *)q6_scales(blk[z], j, hf)));
 #pragma GCC unroll 8
@@ -947,9 +1025,10 @@ QTILE_FN(tile_q6_k, QUANT_Q6_K)
 QTILE_FN(tile_q5_k, QUANT_Q5_K)
 QTILE_FN(tile_q4_1, QUANT_Q4_1)
 QTILE_FN(tile_q5_1, QUANT_Q5_1)
+QTILE_FN(tile_iq4_xs, QUANT_IQ4_XS)
 
-/* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but Q4_K and Q5_K (whose larger epilogue
- * gains nothing from it) and Q6_K (whose two half sums would need twice the registers). Fewer code
+/* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but the K-quants: Q4_K, Q5_K and IQ4_XS,
+ * whose larger epilogue gains nothing from it, and Q6_K, whose two half sums would need twice the registers. Fewer code
  * unpacks and x broadcasts per vpdpbusd: on an AMX Xeon a batch of 16 of a 1B model ran 1.09x (Q4_0 and
  * Q8_0, scripts/quant_modes_ab.py); kernels/quant_linear.py times it against MR-row tiles at load and
  * keeps the faster (0: off). The bits do not depend on it. */
@@ -958,7 +1037,7 @@ static int wide_tiles = 0;
 void gemm_quant_set_wide_tiles(int on) { wide_tiles = on; }
 
 static inline int tile_height(int qtype) {
-    return wide_tiles && !HAS_MINS(qtype) && qtype != QUANT_Q6_K ? MR_WIDE : MR;
+    return wide_tiles && !IS_K_QUANT(qtype) ? MR_WIDE : MR;
 }
 
 /* The next task's panels come into L2 while this one computes from L2, a slice per micro-tile after its
@@ -999,6 +1078,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
         else if (qtype == QUANT_Q5_K) tile_q5_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
         else if (qtype == QUANT_Q4_1) tile_q4_1(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
         else if (qtype == QUANT_Q5_1) tile_q5_1(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
+        else if (qtype == QUANT_IQ4_XS) tile_iq4_xs(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
         else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
     }
 }
@@ -1026,7 +1106,7 @@ static int single_stream_rows = 0;
 void gemm_quant_set_single_stream(int max_rows) { single_stream_rows = max_rows; }
 
 static int check_shape(int qtype, int64_t N, int64_t K) {
-    return qtype >= 0 && qtype <= QUANT_Q5_1 && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
+    return qtype >= 0 && qtype <= QUANT_IQ4_XS && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
 }
 
 /* A task's rows of y (rows ldy apart, from column col0, width wide) in y's dtype, from tmp's fp32 (bf16 y)
@@ -1090,7 +1170,7 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
  * time: src[from + u unit ..] of lane l goes to dst[to + (16 u + l) unit ..]. */
 typedef struct { int from, to, bytes, unit; } Piece;
 
-static const Piece PIECES[8][5] = {
+static const Piece PIECES[9][5] = {
     {{0, 0, 2, 2}, {2, 32, 32, 4}},                                    /* Q8_0: d | codes */
     {{0, 0, 2, 2}, {2, 32, 16, 4}},                                    /* Q4_0: d | qs */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
@@ -1099,7 +1179,14 @@ static const Piece PIECES[8][5] = {
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {48, K_CODES(QUANT_Q5_K), 128, 4}, {16, K5_HIGH, 32, 4}},  /* Q5_K */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 16, 4}},                     /* Q4_1: d | m | qs */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {8, 128, 16, 4}},                    /* Q5_1: d | m | qs (hb: below) */
+    {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 4, 4}},                      /* IQ4_XS: d | scales (qs: below) */
 };
+
+/* IQ4_XS's qs (GGUF: 16 bytes per 32-block, at 8) of row lane -> each 32-block's codes as Q4_0's. */
+static void pack_iq4_xs_codes(const uint8_t *src, int lane, uint8_t *dst) {
+    for (int c = 0; c < 8; c++)
+        for (int u = 0; u < 4; u++) memcpy(dst + IQ4_CODES + 256 * c + 4 * (NR * u + lane), src + 8 + 16 * c + 4 * u, 4);
+}
 
 /* Q5_0's or Q5_1's qh (bit k: the fifth bit of K k) of row lane -> hb byte t: bit g = the fifth bit of K
  * 4 g + t. */
@@ -1148,6 +1235,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
                 if (IS_FIFTH_32(qtype))  /* qh after d (and m) */
                     pack_high_bits(src + (HAS_BLOCK_MIN(qtype) ? 4 : 2), l, dst + FIFTH_AT(qtype));
                 if (qtype == QUANT_Q6_K) pack_q6_k_codes(src, l, dst);
+                if (qtype == QUANT_IQ4_XS) pack_iq4_xs_codes(src, l, dst);
             }
             if (qtype == QUANT_Q8_0) /* int8 -> code + 128: the kernel's unsigned operand */
                 for (int i = 32; i < PANEL_BYTES[qtype]; i++) dst[i] ^= 0x80;
