@@ -2,11 +2,11 @@
 
 For each named shape (benchmarks/shapes.py: random weights, the published config) it writes the HF
 folder, converts it with llama.cpp's own `convert_hf_to_gguf.py` to a dense GGUF (bf16 and/or f32) and
-requantizes that file to Q8_0 / Q4_0 / Q4_1 / Q5_1 / Q4_K (scripts/quantize_gguf.py, gguf-py's reference rounding, every
-matrix), or to llama-quantize's own mixes (q4_k_m: Q4_K with Q6_K / Q5_0 / Q8_0 matrices where llama.cpp
-puts them; q5_k_m: Q5_K with Q6_K / Q5_1 / Q8_0; iq4_xs: IQ4_XS with IQ4_NL where K is no multiple of 256
-and Q6_K / Q8_0 beside; needs `build/bin/llama-quantize`). Both servers then
-load the very same file. Against each, in turn, one server up at a time:
+requantizes that file to Q8_0 / Q4_0 / Q4_1 / Q5_1 / Q4_K (scripts/quantize_gguf.py, gguf-py's reference
+rounding, every matrix), or to llama-quantize's own mixes (q4_k_m: Q4_K with Q6_K / Q5_0 / Q8_0 matrices
+where llama.cpp puts them; q5_k_m: Q5_K with Q6_K / Q5_1 / Q8_0; iq4_xs: IQ4_XS with Q6_K / Q5_K / Q8_0,
+IQ4_NL where K is no multiple of 256; needs `build/bin/llama-quantize`). Both servers then load the very
+same file. Against each, in turn, one server up at a time:
 
     single   one stream: --num-single requests one after another
     batch    --batch-size requests at once

@@ -1,6 +1,7 @@
 """csrc/gemm_quant.c through kernels/quant_linear.py: the quantized GEMM against the GGUF weights as gguf-py
-dequantizes them (fp32/fp64 torch), for Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and IQ4_XS, any M, N not a multiple of
-the tile, 1 and 2 threads, bf16 and bias; the embedding rows; the plain C and AVX2 builds on the same layout."""
+dequantizes them (fp32/fp64 torch), for Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and IQ4_XS, any M, N not
+a multiple of the tile, 1 and 2 threads, bf16 and bias; the embedding rows; the plain C and AVX2 builds on the
+same layout."""
 
 from __future__ import annotations
 

@@ -2,17 +2,18 @@
 
 Both sources are first turned into HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), then
 `build_model` fuses them into the decoder's layout (QKV and gate/up concatenated). A GGUF tensor in a
-format the quantized kernel serves (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K: kernels/quant_linear.py)
-stays as its blocks, a uint8 [N, K / block, block_bytes] tensor, and the model keeps it packed, never dense
-(so the Q6_K lm_head, attn_v and ffn_down of llama-quantize's Q4_K_M mix stay Q6_K, and the Q5_1 matrices
-its Q5_K_M puts where K is no multiple of 256 stay Q5_1). In a file mostly in those formats, a matrix in
-another quantized type (Q3_K, Q2_K, IQ4_NL ...) becomes Q8_0, requantized from its dequantized values, and
-so does a fused projection whose parts differ in format (exactly from Q4_0 and Q5_0 parts): dense fp32
-copies of them would hold 4-5x their bytes and be streamed every step. Other files are dequantized with
-`gguf`, and so is the bundled model (model_paths.is_bundled_model): it is the project's reference, served
-dense as its figures and its token-for-token match with HF transformers are, and is Q4_1 only because that
-is how its package ships it. `quantization` ("q8_0" | "q4_0") quantizes the dense projections and
-embeddings at load (models/quantization.py).
+format the quantized kernel serves (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_XS:
+kernels/quant_linear.py) stays as its blocks, a uint8 [N, K / block, block_bytes] tensor, and the model
+keeps it packed, never dense (so the Q6_K lm_head, attn_v and ffn_down of llama-quantize's Q4_K_M mix stay
+Q6_K, and the Q5_1 matrices its Q5_K_M puts where K is no multiple of 256 stay Q5_1). In a file mostly in
+those formats, a matrix in another quantized type becomes Q8_0: exactly from IQ4_NL (what IQ4_XS files
+hold where K is no multiple of 256), requantized from the dequantized values of Q3_K, Q2_K and the rest;
+and so does a fused projection whose parts differ in format (exactly from Q4_0, Q5_0 and IQ4_NL parts):
+dense fp32 copies of them would hold 4-5x their bytes and be streamed every step. Other files are
+dequantized with `gguf`, and so is the bundled model (model_paths.is_bundled_model): it is the project's
+reference, served dense as its figures and its token-for-token match with HF transformers are, and is
+Q4_1 only because that is how its package ships it. `quantization` ("q8_0" | "q4_0") quantizes the dense
+projections and embeddings at load (models/quantization.py).
 
 Weight-only bf16: a model computed in fp32 on CPU keeps a projection or embedding table whose source
 values are bf16 (a bf16 safetensors tensor, a GGUF BF16 tensor) in bf16 where the native fp32-on-bf16

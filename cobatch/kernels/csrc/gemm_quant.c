@@ -1185,7 +1185,8 @@ static const Piece PIECES[9][5] = {
 /* IQ4_XS's qs (GGUF: 16 bytes per 32-block, at 8) of row lane -> each 32-block's codes as Q4_0's. */
 static void pack_iq4_xs_codes(const uint8_t *src, int lane, uint8_t *dst) {
     for (int c = 0; c < 8; c++)
-        for (int u = 0; u < 4; u++) memcpy(dst + IQ4_CODES + 256 * c + 4 * (NR * u + lane), src + 8 + 16 * c + 4 * u, 4);
+        for (int u = 0; u < 4; u++)
+            memcpy(dst + IQ4_CODES + 256 * c + 4 * (NR * u + lane), src + 8 + 16 * c + 4 * u, 4);
 }
 
 /* Q5_0's or Q5_1's qh (bit k: the fifth bit of K k) of row lane -> hb byte t: bit g = the fifth bit of K
