@@ -2,13 +2,13 @@
 
 Both sources are first turned into HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), then
 `build_model` fuses them into the decoder's layout (QKV and gate/up concatenated). A GGUF tensor in a
-format the quantized kernel serves (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_XS:
+format the quantized kernel serves (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS:
 kernels/quant_linear.py) stays as its blocks, a uint8 [N, K / block, block_bytes] tensor, and the model
 keeps it packed, never dense (so the Q6_K lm_head, attn_v and ffn_down of llama-quantize's Q4_K_M mix stay
 Q6_K, and the Q5_1 matrices its Q5_K_M puts where K is no multiple of 256 stay Q5_1). In a file mostly in
-those formats, a matrix in another quantized type becomes Q8_0: exactly from IQ4_NL (what IQ4_XS files
-hold where K is no multiple of 256), requantized from the dequantized values of Q3_K, Q2_K and the rest;
-and so does a fused projection whose parts differ in format (exactly from Q4_0, Q5_0 and IQ4_NL parts):
+those formats, a matrix in another quantized type becomes Q8_0, requantized from the dequantized values of
+Q3_K, Q2_K and the rest (exactly from an IQ4_NL matrix whose K is no multiple of 64), and so does a fused
+projection whose parts differ in format (exactly from Q4_0, Q5_0 and IQ4_NL parts):
 dense fp32 copies of them would hold 4-5x their bytes and be streamed every step. Other files are
 dequantized with `gguf`, and so is the bundled model (model_paths.is_bundled_model): it is the project's
 reference, served dense as its figures and its token-for-token match with HF transformers are, and is
@@ -275,12 +275,14 @@ def _mostly_served(tensors: list) -> bool:
 def _gguf_tensor(t: object, dtype: torch.dtype, keep_blocks: bool) -> torch.Tensor:
     """A GGUF tensor as GGUF blocks [N, K / block, block_bytes] (uint8, copied out of the file's mapping)
     where keep_blocks and the quantized kernel serves its type, as Q8_0 blocks where keep_blocks and it
-    is a matrix of another quantized type (quantization.to_q8_0); a BF16 one as bf16 (build_model keeps
-    or converts it: weight-only bf16); else dequantized into `dtype`."""
+    is a matrix of another quantized type, or of IQ4_NL with K no multiple of its 64-weight unit
+    (quantization.to_q8_0); a BF16 one as bf16 (build_model keeps or converts it: weight-only bf16); else
+    dequantized into `dtype`."""
     import gguf
 
     fmt = quant.format_of(t.tensor_type) if keep_blocks else None  # type: ignore[attr-defined]
-    if fmt is not None and t.data.ndim == 2:  # type: ignore[attr-defined]
+    row_bytes = t.data.shape[-1]  # type: ignore[attr-defined]
+    if fmt is not None and t.data.ndim == 2 and row_bytes % fmt.block_bytes == 0:  # type: ignore[attr-defined]
         return torch.from_numpy(np.array(t.data)).view(t.data.shape[0], -1, fmt.block_bytes)  # type: ignore
     if t.tensor_type == gguf.GGMLQuantizationType.BF16:  # type: ignore[attr-defined]
         return torch.from_numpy(np.array(t.data)).view(torch.bfloat16)  # type: ignore[attr-defined]  # its bits

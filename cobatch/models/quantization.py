@@ -1,5 +1,5 @@
-"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_XS), for `--quantization` and
-the test files.
+"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS), for
+`--quantization` and the test files.
 
 The 32-weight formats use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
 `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` / ..., so a folder quantized here holds the bytes
@@ -9,8 +9,8 @@ rounded to 6 bits of the super block's fp16 d and dmin), and so is `quantize_q6_
 sub-block's largest value mapped onto -32, its scale rounded to an int8 of the super block's d, as the
 first step of llama.cpp's), and so is `quantize_iq4_xs` (each 32-weight sub-block's largest value mapped
 onto the table's -127, its scale rounded to 6 bits of the super block's d, each weight to the nearest
-table value), all without llama.cpp's iterative search for the best scale, so their error is somewhat
-larger; the formats and the bytes' meaning are GGUF's (gguf-py dequantizes them, tested).
+table value) and `quantize_iq4_nl` (the same per 32-block, with an fp16 scale), all without llama.cpp's
+iterative search for the best scale, so their error is somewhat larger; the formats and the bytes' meaning are GGUF's (gguf-py dequantizes them, tested).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizat
               "q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_0": gguf.GGMLQuantizationType.Q5_0,
               "q6_k": gguf.GGMLQuantizationType.Q6_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
               "q4_1": gguf.GGMLQuantizationType.Q4_1, "q5_1": gguf.GGMLQuantizationType.Q5_1,
-              "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS}
+              "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS, "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL}
 # IQ4_NL's and IQ4_XS's 16 weight values per unit of scale (llama.cpp's kvalues_iq4nl).
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
@@ -45,14 +45,16 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
         data = quantize_q6_k(values)
     elif name == "iq4_xs":
         data = quantize_iq4_xs(values)
+    elif name == "iq4_nl":
+        data = quantize_iq4_nl(values)
     else:
         data = gguf.quants.quantize(values, GGUF_TYPES[name])
     return torch.from_numpy(np.ascontiguousarray(data)).view(weight.shape[0], -1, fmt.block_bytes)
 
 
 # Types whose every value a Q8_0 block holds exactly (same fp16 scale per 32 weights, integer codes
-# within int8): to_q8_0 converts their blocks losslessly (a fused projection of mixed formats; IQ4_NL,
-# the fallback of IQ4_XS files where K is no multiple of 256).
+# within int8): to_q8_0 converts their blocks losslessly (a fused projection of mixed formats; an IQ4_NL
+# matrix whose K is no multiple of the kernel's 64-weight unit).
 EXACT_IN_Q8_0 = frozenset((gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_0,
                            gguf.GGMLQuantizationType.IQ4_NL))
 
@@ -134,14 +136,31 @@ def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
     step = d.astype(np.float32)[..., None] * sc  # each sub-block's weight per table unit
     with np.errstate(divide="ignore", invalid="ignore"):
         units = np.where(step[..., None] != 0, sub / np.where(step[..., None] != 0, step[..., None], 1.0), 0.0)
-    table = IQ4_VALUES.astype(np.float32)
-    codes = np.searchsorted((table[1:] + table[:-1]) / 2, units).astype(np.uint8)  # the nearest value's index
-    qs = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, k // 256, 128)
+    qs = _iq4_codes(units).reshape(n, k // 256, 128)
     ls = (sc + 32).astype(np.uint16)  # [n, sb, 8]: 6 bits each
     scales_h = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=-1, dtype=np.uint16)
     scales_l = ((ls[..., 0::2] & 0xF) | ((ls[..., 1::2] & 0xF) << 4)).astype(np.uint8)
     out = np.concatenate([d[..., None].view(np.uint8), scales_h[..., None].view(np.uint8), scales_l, qs], axis=-1)
     return out.reshape(n, -1)
+
+
+def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
+    """[N, K] fp32 (K % 32 == 0) -> IQ4_NL bytes [N, K / 32 * 18]."""
+    n, k = values.shape
+    sub = values.reshape(n, k // 32, 32).astype(np.float32)
+    d = (_signed_absmax(sub) / -127.0).astype(np.float16)  # the block's largest value -> the table's -127
+    step = np.broadcast_to(d.astype(np.float32)[..., None], sub.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        units = np.where(step != 0, sub / np.where(step != 0, step, 1.0), 0.0)
+    return np.concatenate([d[..., None].view(np.uint8), _iq4_codes(units)], axis=-1).reshape(n, -1)
+
+
+def _iq4_codes(units: np.ndarray) -> np.ndarray:
+    """[..., 32] values in units of the block's scale -> the 16 bytes of their nearest table entries' indices
+    (K 0..15 in the low nibbles, 16..31 in the high ones)."""
+    table = IQ4_VALUES.astype(np.float32)
+    codes = np.searchsorted((table[1:] + table[:-1]) / 2, units).astype(np.uint8)
+    return codes[..., :16] | (codes[..., 16:] << 4)
 
 
 def _signed_absmax(values: np.ndarray) -> np.ndarray:

@@ -1,5 +1,5 @@
 /* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 4.5 to 8.5 bits per
- * weight (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_XS), x fp32 or bf16, fp32 accumulation.
+ * weight (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS), x fp32 or bf16, fp32 accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
  * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
@@ -22,9 +22,10 @@
  *     Q5_K: as Q4_K, c the 5-bit code 0..31 (4 low bits as Q4_K's, the fifth from qh);
  *     Q6_K: c = the 6-bit code 0..63, per 16-weight sub-block a = d * scale (int8), o = 32: each half
  *           of a 32-block has its own integer sum, times its scale (Numerics), and a = d;
- *     IQ4_XS: c = the 4-bit index's value in llama.cpp's non-linear table (int8) + 128, looked up by a
- *           byte shuffle (vpshufb), o = 128, per 32-weight sub-block a = d * scale (6 bits, - 32): as
- *           Q6_K, the sub-block's integer sum times its scale.
+ *     IQ4_NL: c = the 4-bit index's value in llama.cpp's non-linear table (int8) + 128, looked up by a
+ *           byte shuffle (vpshufb), a = d, o = 128;
+ *     IQ4_XS: c as IQ4_NL's, o = 128, per 32-weight sub-block a = d * scale (6 bits, - 32): as Q6_K, the
+ *           sub-block's integer sum times its scale.
  *
  * Layout (kernels/quant_linear.py packs it once at load from GGUF's blocks; the same bytes, reordered): the
  * weight is cut into panels of 16 output rows, and each panel into its blocks along K (32 weights, K-quants:
@@ -43,6 +44,7 @@
  *                       4 g + t, sub-block 2 c; high: 64 c + 32 + 4 g + t, sub-block 2 c + 1)
  *     Q5_K (2816 bytes): Q4_K's header | hb[8][16][4]: GGUF's qh bytes 4 g .. 4 g + 3 of row l (bit s of
  *                       byte t: the fifth bit of K 32 s + 4 g + t, sub-block s) | qs as Q4_K's (K_CODES)
+ *     IQ4_NL (576 bytes): two 32-blocks, each as Q4_0's (d[16] | qs[4][16][4]): a panel size of its own
  *     IQ4_XS (2176 bytes): d[16] fp16 | scales_h[16] u16 | scales_l[16][4]: GGUF's of row l (sub-block i's
  *                       scale: nibble i of the 4 bytes, bits 2 i, 2 i + 1 of scales_h on top) | then per
  *                       32-block c (0..7): qs[4][16][4] as Q4_0's (GGUF's qs bytes 16 c + 4 g .. + 3)
@@ -115,9 +117,9 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* Bytes of one panel block and weights per format block. */
-static const int64_t PANEL_BYTES[9] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176, NR * 20, NR * 24,
-                                       NR * 136};
-static const int64_t BLOCK_K[9] = {32, 32, 256, 32, 256, 256, 32, 32, 256};
+static const int64_t PANEL_BYTES[10] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176, NR * 20, NR * 24,
+                                        NR * 136, NR * 36};
+static const int64_t BLOCK_K[10] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64};
 #define K5_HIGH 256  /* where a Q5_K panel block's fifth bits start (after the scales, before the codes) */
 /* Where a Q4_K / Q5_K panel block's 4-bit codes start: Q5_K's after its fifth bits, so that a 256-block is
  * read front to back (with the fifth bits last, as GGUF has them, its first 32-block read the block's end
@@ -156,8 +158,8 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
 #define IS_K_QUANT(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q6_K || (qtype) == QUANT_IQ4_XS)
 /* The K-quants whose sub-block scales are unpacked once per 256-block (kscale), rather than read per 32. */
 #define HAS_KSCALE(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_IQ4_XS)
-/* Codes that are a signed int8 + 128 (Q8_0, IQ4_XS): the AVX2 path multiplies |w| by x with w's sign. */
-#define SIGNED_CODES(qtype) ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_XS)
+/* Codes that are a signed int8 + 128 (Q8_0, IQ4_NL, IQ4_XS): the AVX2 path multiplies |w| by x with w's sign. */
+#define SIGNED_CODES(qtype) ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_NL || (qtype) == QUANT_IQ4_XS)
 #define KB 256  /* weights per K-quant block, and per x scale for them */
 
 /* x quantized: codes [M, K] int8, a scale per `span` values (32, or KB for the K-quants) [M, K / span],
@@ -268,7 +270,7 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
 /* o: the code of a zero weight in the formats without mins (w = a (c - o)); 0 in those with a min per block. */
 static inline float code_offset(int qtype) {
     switch (qtype) {
-    case QUANT_Q8_0: case QUANT_IQ4_XS: return 128.0f;
+    case QUANT_Q8_0: case QUANT_IQ4_NL: case QUANT_IQ4_XS: return 128.0f;
     case QUANT_Q6_K: return 32.0f;
     case QUANT_Q5_0: return 16.0f;
     case QUANT_Q4_1: case QUANT_Q5_1: return 0.0f;
@@ -320,6 +322,7 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
     }
     if (qtype == QUANT_IQ4_XS)
         return IQ4_CODE[(blk[IQ4_CODES + 256 * (j % 8) + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf];
+    if (qtype == QUANT_IQ4_NL) return IQ4_CODE[(blk[32 + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf];
     if (IS_NIBBLE_32(qtype)) {
         const int low = (blk[NIBBLES_AT(qtype) + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf;
         return IS_FIFTH_32(qtype) ? low | (((blk[FIFTH_AT(qtype) + 4 * lane + t] >> g) & 1) << 4) : low;
@@ -329,8 +332,11 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
     return low | (((blk[K5_HIGH + 64 * g + 4 * lane + t] >> (j % 8)) & 1) << 4);  /* Q5_K */
 }
 
+/* Where 32-block j of a panel is read from: the start of its packed block (the K-quants' 256-block), or for
+ * IQ4_NL its own half of the pair (each half laid out as a 32-block format's panel block). */
 static inline const uint8_t *panel_block(int qtype, const uint8_t *w, int64_t K, int64_t panel, int64_t j) {
     const int64_t blocks = K / BLOCK_K[qtype];
+    if (qtype == QUANT_IQ4_NL) return w + panel * blocks * PANEL_BYTES[qtype] + j * (PANEL_BYTES[qtype] / 2);
     return w + (panel * blocks + j * QB / BLOCK_K[qtype]) * PANEL_BYTES[qtype];
 }
 
@@ -351,9 +357,9 @@ INLINE LaneWords load_lanes(const uint8_t *p) { LaneWords v; memcpy(&v, p, sizeo
 /* Codes vector g of 32-block j as 16 lanes of 4 codes, one per byte (the VNNI path's operand). */
 INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
     if (qtype == QUANT_Q8_0) return load_lanes(blk + 32 + 64 * g);
-    if (qtype == QUANT_IQ4_XS) {  /* each index through the table */
-        const LaneWords v = (load_lanes(blk + IQ4_CODES + 256 * (j % 8) + 64 * (g % 4)) >> (g < 4 ? 0 : 4)) &
-                            0x0f0f0f0fu;
+    if (qtype == QUANT_IQ4_XS || qtype == QUANT_IQ4_NL) {  /* each index through the table */
+        const int at = qtype == QUANT_IQ4_XS ? IQ4_CODES + 256 * (j % 8) : 32;
+        const LaneWords v = (load_lanes(blk + at + 64 * (g % 4)) >> (g < 4 ? 0 : 4)) & 0x0f0f0f0fu;
         LaneWords c = (LaneWords){0};
         for (int lane = 0; lane < NR; lane++)
             for (int t = 0; t < 4; t++) c[lane] |= (uint32_t)IQ4_CODE[(v[lane] >> (8 * t)) & 0xf] << (8 * t);
@@ -476,8 +482,8 @@ INLINE __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m2
 INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return load256(blk + 32 + 64 * g + 32 * h);
-    if (qtype == QUANT_IQ4_XS) {  /* the indices through the table, a byte shuffle per 16 */
-        const __m256i v = load256(blk + IQ4_CODES + 256 * j + 64 * (g % 4) + 32 * h);
+    if (qtype == QUANT_IQ4_XS || qtype == QUANT_IQ4_NL) {  /* the indices through the table, a byte shuffle per 16 */
+        const __m256i v = load256(blk + (qtype == QUANT_IQ4_XS ? IQ4_CODES + 256 * j : 32) + 64 * (g % 4) + 32 * h);
         const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_CODE));
         return _mm256_shuffle_epi8(table, _mm256_and_si256(g < 4 ? v : _mm256_srli_epi16(v, 4), low));
     }
@@ -674,6 +680,7 @@ QTILE_FN(tile_q5_k, QUANT_Q5_K)
 QTILE_FN(tile_q4_1, QUANT_Q4_1)
 QTILE_FN(tile_q5_1, QUANT_Q5_1)
 QTILE_FN(tile_iq4_xs, QUANT_IQ4_XS)
+QTILE_FN(tile_iq4_nl, QUANT_IQ4_NL)
 
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz, a panel at a time (its blocks then stay in L1 for
  * every micro-tile of rows); the hardware prefetcher streams the panels. */
@@ -694,6 +701,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
             else if (qtype == QUANT_Q4_1) tile_q4_1(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
             else if (qtype == QUANT_Q5_1) tile_q5_1(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
             else if (qtype == QUANT_IQ4_XS) tile_iq4_xs(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else if (qtype == QUANT_IQ4_NL) tile_iq4_nl(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
             else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
         }
 }
@@ -704,8 +712,9 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return _mm512_loadu_si512(blk + 32 + 64 * g);
-    if (qtype == QUANT_IQ4_XS) {  /* the indices through the table, a byte shuffle per 16 */
-        const __m512i v = _mm512_loadu_si512(blk + IQ4_CODES + 256 * j + 64 * (g % 4));
+    if (qtype == QUANT_IQ4_XS || qtype == QUANT_IQ4_NL) {  /* the indices through the table, a byte shuffle per 16 */
+        const __m512i v =
+            _mm512_loadu_si512(blk + (qtype == QUANT_IQ4_XS ? IQ4_CODES + 256 * j : 32) + 64 * (g % 4));
         const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODE));
         return _mm512_shuffle_epi8(table, _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low));
     }
@@ -830,7 +839,9 @@ static int prefetch_blocks(int qtype, int single) {
 
 INLINE void prefetch_ahead(int qtype, const uint8_t *const *blk, int nz, int64_t j, int distance) {
     const int64_t step = PANEL_BYTES[qtype] * QB / BLOCK_K[qtype];  /* a 32-block's bytes */
-    const int64_t at = (j % (BLOCK_K[qtype] / QB)) * step + (distance < 0 ? -distance : distance) * step;
+    /* blk: the K-quants' 256-block, else the 32-block itself (IQ4_NL's half of its pair) */
+    const int64_t within = IS_K_QUANT(qtype) ? j % (BLOCK_K[qtype] / QB) : 0;
+    const int64_t at = (within + (distance < 0 ? -distance : distance)) * step;
     for (int z = 0; z < nz; z++)
         for (int64_t b = 0; b < step; b += 64) {
             const char *line = (const char *)blk[z] + at + b;
@@ -1026,6 +1037,7 @@ QTILE_FN(tile_q5_k, QUANT_Q5_K)
 QTILE_FN(tile_q4_1, QUANT_Q4_1)
 QTILE_FN(tile_q5_1, QUANT_Q5_1)
 QTILE_FN(tile_iq4_xs, QUANT_IQ4_XS)
+QTILE_FN(tile_iq4_nl, QUANT_IQ4_NL)
 
 /* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but the K-quants: Q4_K, Q5_K and IQ4_XS,
  * whose larger epilogue gains nothing from it, and Q6_K, whose two half sums would need twice the registers. Fewer code
@@ -1079,6 +1091,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
         else if (qtype == QUANT_Q4_1) tile_q4_1(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
         else if (qtype == QUANT_Q5_1) tile_q5_1(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
         else if (qtype == QUANT_IQ4_XS) tile_iq4_xs(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
+        else if (qtype == QUANT_IQ4_NL) tile_iq4_nl(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
         else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
     }
 }
@@ -1106,7 +1119,7 @@ static int single_stream_rows = 0;
 void gemm_quant_set_single_stream(int max_rows) { single_stream_rows = max_rows; }
 
 static int check_shape(int qtype, int64_t N, int64_t K) {
-    return qtype >= 0 && qtype <= QUANT_IQ4_XS && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
+    return qtype >= 0 && qtype <= QUANT_IQ4_NL && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
 }
 
 /* A task's rows of y (rows ldy apart, from column col0, width wide) in y's dtype, from tmp's fp32 (bf16 y)
@@ -1170,7 +1183,7 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
  * time: src[from + u unit ..] of lane l goes to dst[to + (16 u + l) unit ..]. */
 typedef struct { int from, to, bytes, unit; } Piece;
 
-static const Piece PIECES[9][5] = {
+static const Piece PIECES[10][5] = {
     {{0, 0, 2, 2}, {2, 32, 32, 4}},                                    /* Q8_0: d | codes */
     {{0, 0, 2, 2}, {2, 32, 16, 4}},                                    /* Q4_0: d | qs */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
@@ -1180,6 +1193,7 @@ static const Piece PIECES[9][5] = {
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 16, 4}},                     /* Q4_1: d | m | qs */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {8, 128, 16, 4}},                    /* Q5_1: d | m | qs (hb: below) */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 4, 4}},                      /* IQ4_XS: d | scales (qs: below) */
+    {{0, 0, 2, 2}, {2, 32, 16, 4}, {18, 288, 2, 2}, {20, 320, 16, 4}}, /* IQ4_NL: d | qs, twice */
 };
 
 /* IQ4_XS's qs (GGUF: 16 bytes per 32-block, at 8) of row lane -> each 32-block's codes as Q4_0's. */
