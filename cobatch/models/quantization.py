@@ -1,4 +1,4 @@
-"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS), for
+"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS), for
 `--quantization` and the test files.
 
 The 32-weight formats use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
@@ -7,10 +7,12 @@ llama-quantize's reference path writes. gguf-py has no K-quant quantizers: `quan
 plain one (each 32-weight sub-block's range mapped onto 0..15 for Q4_K, 0..31 for Q5_K, its scale and min
 rounded to 6 bits of the super block's fp16 d and dmin), and so is `quantize_q6_k` (each 16-weight
 sub-block's largest value mapped onto -32, its scale rounded to an int8 of the super block's d, as the
-first step of llama.cpp's), and so is `quantize_iq4_xs` (each 32-weight sub-block's largest value mapped
+first step of llama.cpp's), and so is `quantize_q3_k` (the same with codes -4..3 and 6-bit scales), and
+`quantize_iq4_xs` (each 32-weight sub-block's largest value mapped
 onto the table's -127, its scale rounded to 6 bits of the super block's d, each weight to the nearest
 table value) and `quantize_iq4_nl` (the same per 32-block, with an fp16 scale), all without llama.cpp's
-iterative search for the best scale, so their error is somewhat larger; the formats and the bytes' meaning are GGUF's (gguf-py dequantizes them, tested).
+iterative search for the best scale, so their error is somewhat larger; the formats and the bytes' meaning
+are GGUF's (gguf-py dequantizes them, tested).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizat
               "q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_0": gguf.GGMLQuantizationType.Q5_0,
               "q6_k": gguf.GGMLQuantizationType.Q6_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
               "q4_1": gguf.GGMLQuantizationType.Q4_1, "q5_1": gguf.GGMLQuantizationType.Q5_1,
-              "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS, "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL}
+              "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS, "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL,
+              "q3_k": gguf.GGMLQuantizationType.Q3_K}
 # IQ4_NL's and IQ4_XS's 16 weight values per unit of scale (llama.cpp's kvalues_iq4nl).
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
@@ -47,6 +50,8 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
         data = quantize_iq4_xs(values)
     elif name == "iq4_nl":
         data = quantize_iq4_nl(values)
+    elif name == "q3_k":
+        data = quantize_q3_k(values)
     else:
         data = gguf.quants.quantize(values, GGUF_TYPES[name])
     return torch.from_numpy(np.ascontiguousarray(data)).view(weight.shape[0], -1, fmt.block_bytes)
@@ -123,6 +128,28 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
     out = np.concatenate([ql.reshape(n, k // 256, 128), qh.reshape(n, k // 256, 64), sc.view(np.uint8),
                           d[..., None].view(np.uint8)], axis=-1)
+    return out.reshape(n, -1)
+
+
+def quantize_q3_k(values: np.ndarray) -> np.ndarray:
+    """[N, K] fp32 (K % 256 == 0) -> Q3_K bytes [N, K / 256 * 110]."""
+    n, k = values.shape
+    sub = values.reshape(n, k // 256, 16, 16).astype(np.float32)
+    scale = _signed_absmax(sub) / -4.0  # the sub-block's largest value -> code -4   [n, sb, 16]
+    d = (_signed_absmax(scale) / -32.0).astype(np.float16)  # the largest scale -> -32   [n, sb]
+    sc = _ratio(scale, d).clip(-32, 31).astype(np.int16)
+    step = d.astype(np.float32)[..., None] * sc
+    codes = (_ratio(sub, step).clip(-4, 3) + 4).astype(np.uint8).reshape(n, k // 256, 2, 4, 32)  # [.., half, i, l]
+    low, third = codes & 3, codes >> 2
+    qs = (low << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)  # [n, sb, 2, 32]
+    bit = (4 * np.arange(2)[:, None] + np.arange(4)[None, :]).astype(np.uint8)[..., None]  # bit 4 half + i
+    hmask = (third << bit).sum(axis=(-3, -2), dtype=np.uint8)  # [n, sb, 32]
+    ls = (sc + 32).astype(np.uint8)  # [n, sb, 16]: 6 bits each
+    low4, top2 = ls & 0xF, ls >> 4
+    scales = np.concatenate([low4[..., 0:4] | (low4[..., 8:12] << 4), low4[..., 4:8] | (low4[..., 12:16] << 4),
+                             top2[..., 0:4] | (top2[..., 4:8] << 2) | (top2[..., 8:12] << 4) | (top2[..., 12:16] << 6)],
+                            axis=-1)
+    out = np.concatenate([hmask, qs.reshape(n, k // 256, 64), scales, d[..., None].view(np.uint8)], axis=-1)
     return out.reshape(n, -1)
 
 

@@ -1,5 +1,5 @@
 /* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 4.5 to 8.5 bits per
- * weight (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS), x fp32 or bf16, fp32 accumulation.
+ * weight (Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS), x fp32 or bf16, fp32 accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
  * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
@@ -22,6 +22,7 @@
  *     Q5_K: as Q4_K, c the 5-bit code 0..31 (4 low bits as Q4_K's, the fifth from qh);
  *     Q6_K: c = the 6-bit code 0..63, per 16-weight sub-block a = d * scale (int8), o = 32: each half
  *           of a 32-block has its own integer sum, times its scale (Numerics), and a = d;
+ *     Q3_K: c = the 3-bit code 0..7, per 16-weight sub-block a = d * scale (6 bits, - 32), o = 4: as Q6_K;
  *     IQ4_NL: c = the 4-bit index's value in llama.cpp's non-linear table (int8) + 128, looked up by a
  *           byte shuffle (vpshufb), a = d, o = 128;
  *     IQ4_XS: c as IQ4_NL's, o = 128, per 32-weight sub-block a = d * scale (6 bits, - 32): as Q6_K, the
@@ -44,6 +45,10 @@
  *                       4 g + t, sub-block 2 c; high: 64 c + 32 + 4 g + t, sub-block 2 c + 1)
  *     Q5_K (2816 bytes): Q4_K's header | hb[8][16][4]: GGUF's qh bytes 4 g .. 4 g + 3 of row l (bit s of
  *                       byte t: the fifth bit of K 32 s + 4 g + t, sub-block s) | qs as Q4_K's (K_CODES)
+ *     Q3_K (1760 bytes): d[16] fp16 | scales[3][16][4]: GGUF's 12 scale bytes of row l, 4 at a time | then
+ *                       per 32-block c (0..7): low[2][16][4] (bits 2 (g % 4), + 1 of byte t of row l in
+ *                       vector g / 4: the low bits of the code of K 32 c + 4 g + t) | hb[16][4] (bit g:
+ *                       its third bit), regrouped from GGUF's qs / hmask at packing
  *     IQ4_NL (576 bytes): two 32-blocks, each as Q4_0's (d[16] | qs[4][16][4]): a panel size of its own
  *     IQ4_XS (2176 bytes): d[16] fp16 | scales_h[16] u16 | scales_l[16][4]: GGUF's of row l (sub-block i's
  *                       scale: nibble i of the 4 bytes, bits 2 i, 2 i + 1 of scales_h on top) | then per
@@ -117,9 +122,9 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* Bytes of one panel block and weights per format block. */
-static const int64_t PANEL_BYTES[10] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176, NR * 20, NR * 24,
-                                        NR * 136, NR * 36};
-static const int64_t BLOCK_K[10] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64};
+static const int64_t PANEL_BYTES[11] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176, NR * 20, NR * 24,
+                                        NR * 136, NR * 36, NR * 110};
+static const int64_t BLOCK_K[11] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256};
 #define K5_HIGH 256  /* where a Q5_K panel block's fifth bits start (after the scales, before the codes) */
 /* Where a Q4_K / Q5_K panel block's 4-bit codes start: Q5_K's after its fifth bits, so that a 256-block is
  * read front to back (with the fifth bits last, as GGUF has them, its first 32-block read the block's end
@@ -129,7 +134,7 @@ static const int64_t BLOCK_K[10] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64};
 #define Q6_BLOCK 384 /* a Q6_K panel's bytes of codes per 32-block: two halves of 3 vectors */
 
 /* Integer sums per 32-block: 2 for Q6_K (one per 16-weight sub-block, each with its own scale), else 1. */
-static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K ? 2 : 1; }
+static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K || qtype == QUANT_Q3_K ? 2 : 1; }
 
 /* The formats with a min per sub-block (w = a c - b): Q4_K and Q5_K, which share their scales' layout. A
  * macro: a plain expression of the literal qtype folds before the tile's loops are unrolled (as an inline
@@ -145,6 +150,7 @@ static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K ? 2 : 1
 #define NIBBLES_AT(qtype) (FIFTH_AT(qtype) + (IS_FIFTH_32(qtype) ? 64 : 0))
 
 #define IQ4_CODES 128  /* where an IQ4_XS panel block's codes start (after d and the scales) */
+#define Q3_CODES 224   /* where a Q3_K panel block's codes start (after d and the scales), 192 bytes a 32-block */
 /* IQ4_XS: llama.cpp's table of the 16 weight values (kvalues_iq4nl), + 128: the kernel's unsigned codes. */
 static const uint8_t IQ4_CODE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
@@ -155,9 +161,10 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
 
 /* The K-quants (256-weight blocks whose sub-blocks carry integer scales): x is quantized per 256 for them,
  * so a whole block's integer sums add up as integers before one fp32 step (llama.cpp's Q8_K). */
-#define IS_K_QUANT(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q6_K || (qtype) == QUANT_IQ4_XS)
+#define IS_K_QUANT(qtype) \
+    (HAS_MINS(qtype) || (qtype) == QUANT_Q6_K || (qtype) == QUANT_IQ4_XS || (qtype) == QUANT_Q3_K)
 /* The K-quants whose sub-block scales are unpacked once per 256-block (kscale), rather than read per 32. */
-#define HAS_KSCALE(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_IQ4_XS)
+#define HAS_KSCALE(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_IQ4_XS || (qtype) == QUANT_Q3_K)
 /* Codes that are a signed int8 + 128 (Q8_0, IQ4_NL, IQ4_XS): the AVX2 path multiplies |w| by x with w's sign. */
 #define SIGNED_CODES(qtype) ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_NL || (qtype) == QUANT_IQ4_XS)
 #define KB 256  /* weights per K-quant block, and per x scale for them */
@@ -272,6 +279,7 @@ static inline float code_offset(int qtype) {
     switch (qtype) {
     case QUANT_Q8_0: case QUANT_IQ4_NL: case QUANT_IQ4_XS: return 128.0f;
     case QUANT_Q6_K: return 32.0f;
+    case QUANT_Q3_K: return 4.0f;
     case QUANT_Q5_0: return 16.0f;
     case QUANT_Q4_1: case QUANT_Q5_1: return 0.0f;
     default: return 8.0f;
@@ -284,12 +292,27 @@ static inline int iq4_scale(const uint8_t *blk, int lane, int i) {
     return (low | (((load_u16(blk + 32 + 2 * lane) >> (2 * i)) & 3) << 4)) - 32;
 }
 
+/* Q3_K: sub-block s's (0..15) scale of row lane, -32..31: GGUF's 12 bytes as 3 words a0 a1 a2, the low 4 bits
+ * from byte s % 4 of a0 (s < 4, >> 4 for 8..11) or a1 (4..7, >> 4 for 12..15), the top 2 from a2. */
+static inline int q3_scale(const uint8_t *blk, int lane, int s) {
+    uint32_t a[3];
+    for (int i = 0; i < 3; i++) memcpy(&a[i], blk + 32 + 64 * i + 4 * lane, 4);
+    const int word = s / 4, byte = s % 4;
+    const int low = (int)((a[word % 2] >> (4 * (word / 2) + 8 * byte)) & 0xf);
+    return (low | (int)(((a[2] >> (2 * word + 8 * byte)) & 3) << 4)) - 32;
+}
+
 /* The weight w = a c - b at K index k (0..31) of 32-block j (of the panel block at blk) for row lane. */
 static void block_ab(int qtype, const uint8_t *blk, int lane, int j, int k, float *a, float *b) {
     if (qtype == QUANT_Q6_K) {
         const int8_t sc = (int8_t)q6_scales(blk, j, k / 16)[lane];
         *a = f16_to_f32(load_u16(blk + 2 * lane)) * (float)sc;
         *b = *a * 32.0f;
+        return;
+    }
+    if (qtype == QUANT_Q3_K) {
+        *a = f16_to_f32(load_u16(blk + 2 * lane)) * (float)q3_scale(blk, lane, 2 * (j % 8) + k / 16);
+        *b = *a * 4.0f;
         return;
     }
     (void)k;
@@ -322,6 +345,10 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
     }
     if (qtype == QUANT_IQ4_XS)
         return IQ4_CODE[(blk[IQ4_CODES + 256 * (j % 8) + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf];
+    if (qtype == QUANT_Q3_K) {
+        const uint8_t *v = blk + Q3_CODES + 192 * (j % 8);
+        return ((v[64 * (g / 4) + 4 * lane + t] >> (2 * (g % 4))) & 3) | (((v[128 + 4 * lane + t] >> g) & 1) << 2);
+    }
     if (qtype == QUANT_IQ4_NL) return IQ4_CODE[(blk[32 + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf];
     if (IS_NIBBLE_32(qtype)) {
         const int low = (blk[NIBBLES_AT(qtype) + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf;
@@ -357,6 +384,11 @@ INLINE LaneWords load_lanes(const uint8_t *p) { LaneWords v; memcpy(&v, p, sizeo
 /* Codes vector g of 32-block j as 16 lanes of 4 codes, one per byte (the VNNI path's operand). */
 INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
     if (qtype == QUANT_Q8_0) return load_lanes(blk + 32 + 64 * g);
+    if (qtype == QUANT_Q3_K) {
+        const uint8_t *v = blk + Q3_CODES + 192 * (j % 8);
+        return ((load_lanes(v + 64 * (g / 4)) >> (2 * (g % 4))) & 0x03030303u) |
+               (((load_lanes(v + 128) >> g) & 0x01010101u) << 2);
+    }
     if (qtype == QUANT_IQ4_XS || qtype == QUANT_IQ4_NL) {  /* each index through the table */
         const int at = qtype == QUANT_IQ4_XS ? IQ4_CODES + 256 * (j % 8) : 32;
         const LaneWords v = (load_lanes(blk + at + 64 * (g % 4)) >> (g < 4 ? 0 : 4)) & 0x0f0f0f0fu;
@@ -401,6 +433,10 @@ INLINE void k_scales(int qtype, const uint8_t *blk, int j, LaneInts sc[2], LaneI
         }
         if (qtype == QUANT_IQ4_XS) {
             sc[0][lane] = iq4_scale(blk, lane, j % 8);
+            continue;
+        }
+        if (qtype == QUANT_Q3_K) {
+            for (int hf = 0; hf < 2; hf++) sc[hf][lane] = q3_scale(blk, lane, 2 * (j % 8) + hf);
             continue;
         }
         uint8_t q[12];
@@ -482,6 +518,13 @@ INLINE __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m2
 INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return load256(blk + 32 + 64 * g + 32 * h);
+    if (qtype == QUANT_Q3_K) {  /* the low bits, then the third as Q5_0's fifth */
+        const uint8_t *v = blk + Q3_CODES + 192 * j + 32 * h;
+        const __m256i lo =
+            _mm256_and_si256(_mm256_srli_epi16(load256(v + 64 * (g / 4)), 2 * (g % 4)), _mm256_set1_epi8(3));
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(v + 128), g), _mm256_set1_epi8(1));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 2));
+    }
     if (qtype == QUANT_IQ4_XS || qtype == QUANT_IQ4_NL) {  /* the indices through the table, a byte shuffle per 16 */
         const __m256i v = load256(blk + (qtype == QUANT_IQ4_XS ? IQ4_CODES + 256 * j : 32) + 64 * (g % 4) + 32 * h);
         const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_CODE));
@@ -542,6 +585,17 @@ INLINE __m256i iq4_scale_half(const uint8_t *blk, int j, int h) {
     return _mm256_sub_epi32(ls, _mm256_set1_epi32(32));
 }
 
+/* Q3_K: half h of sub-block s's scale, one per lane (q3_scale). */
+INLINE __m256i q3_scale_half(const uint8_t *blk, int s, int h) {
+    const int word = s / 4, byte = s % 4;
+    const __m256i a = load256(blk + 32 + 64 * (word % 2) + 32 * h), a2 = load256(blk + 160 + 32 * h);
+    const __m256i low = _mm256_and_si256(_mm256_srl_epi32(a, _mm_cvtsi32_si128(4 * (word / 2) + 8 * byte)),
+                                         _mm256_set1_epi32(0xf));
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi32(a2, _mm_cvtsi32_si128(2 * word + 8 * byte)),
+                                          _mm256_set1_epi32(3));
+    return _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+}
+
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* The code vectors whose vpmaddubsw pair sums (int16) can be added before one vpmaddwd widens them: a pair
@@ -550,7 +604,7 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
  * exact integers, so the bits are the same. */
 INLINE int pairs_per_widen(int qtype) {
     if (qtype == QUANT_Q4_0 || qtype == QUANT_Q4_1 || qtype == QUANT_Q4_K) return 8;
-    if (IS_FIFTH_32(qtype) || qtype == QUANT_Q5_K) return 4;
+    if (IS_FIFTH_32(qtype) || qtype == QUANT_Q5_K || qtype == QUANT_Q3_K) return 4;  /* Q3_K: its 4-vector halves */
     return qtype == QUANT_Q6_K ? 2 : 1;
 }
 
@@ -586,6 +640,8 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         for (int h = 0; h < 2; h++) {
             if (HAS_MINS(qtype)) k4_scale_min_half(blk, jj, h, &sc[0][h], &mn[h]);
             if (qtype == QUANT_IQ4_XS) sc[0][h] = iq4_scale_half(blk, jj, h);
+            if (qtype == QUANT_Q3_K)
+                for (int hf = 0; hf < 2; hf++) sc[hf][h] = q3_scale_half(blk, 2 * jj + hf, h);
             for (int hf = 0; hf < halves && qtype == QUANT_Q6_K; hf++)
                 sc[hf][h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q6_scales(blk, j, hf) + 8 * h)));
         }
@@ -681,6 +737,7 @@ QTILE_FN(tile_q4_1, QUANT_Q4_1)
 QTILE_FN(tile_q5_1, QUANT_Q5_1)
 QTILE_FN(tile_iq4_xs, QUANT_IQ4_XS)
 QTILE_FN(tile_iq4_nl, QUANT_IQ4_NL)
+QTILE_FN(tile_q3_k, QUANT_Q3_K)
 
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz, a panel at a time (its blocks then stay in L1 for
  * every micro-tile of rows); the hardware prefetcher streams the panels. */
@@ -702,6 +759,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
             else if (qtype == QUANT_Q5_1) tile_q5_1(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
             else if (qtype == QUANT_IQ4_XS) tile_iq4_xs(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
             else if (qtype == QUANT_IQ4_NL) tile_iq4_nl(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            else if (qtype == QUANT_Q3_K) tile_q3_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
             else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
         }
 }
@@ -712,6 +770,15 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return _mm512_loadu_si512(blk + 32 + 64 * g);
+    if (qtype == QUANT_Q3_K) {
+        /* the low bits; bit g of each hb byte to bit 2 (as Q5_0's fifth), low | that bit: 0xF8 */
+        const uint8_t *v = blk + Q3_CODES + 192 * j;
+        const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(v + 64 * (g / 4)), 2 * (g % 4)),
+                                            _mm512_set1_epi8(3));
+        const __m512i hb = _mm512_loadu_si512(v + 128);
+        const __m512i hi = g < 2 ? _mm512_slli_epi16(hb, 2 - g) : g > 2 ? _mm512_srli_epi16(hb, g - 2) : hb;
+        return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x04), 0xF8);
+    }
     if (qtype == QUANT_IQ4_XS || qtype == QUANT_IQ4_NL) {  /* the indices through the table, a byte shuffle per 16 */
         const __m512i v =
             _mm512_loadu_si512(blk + (qtype == QUANT_IQ4_XS ? IQ4_CODES + 256 * j : 32) + 64 * (g % 4));
@@ -793,6 +860,21 @@ INLINE void iq4_unpack(const uint8_t *blk, __m512i sc[8]) {
         const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(low, _mm_cvtsi32_si128(4 * i)), _mm512_set1_epi32(0xf));
         const __m512i hi = _mm512_and_si512(_mm512_srl_epi32(high, _mm_cvtsi32_si128(2 * i)), _mm512_set1_epi32(3));
         sc[i] = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+    }
+}
+
+/* Q3_K: a 256-block's 16 sub-block scales (q3_scale), a vector each. */
+INLINE void q3_unpack(const uint8_t *blk, __m512i sc[16]) {
+    const __m512i a[2] = {_mm512_loadu_si512(blk + 32), _mm512_loadu_si512(blk + 96)};
+    const __m512i a2 = _mm512_loadu_si512(blk + 160);
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; s++) {
+        const int word = s / 4, byte = s % 4;
+        const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(a[word % 2], _mm_cvtsi32_si128(4 * (word / 2) + 8 * byte)),
+                                            _mm512_set1_epi32(0xf));
+        const __m512i hi = _mm512_and_si512(_mm512_srl_epi32(a2, _mm_cvtsi32_si128(2 * word + 8 * byte)),
+                                            _mm512_set1_epi32(3));
+        sc[s] = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
     }
 }
 
@@ -908,7 +990,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         __m512i ksum[MR_WIDE * NZ];  /* K-quants: the 256-block's integer sums so far, each times its scale */
         /* Q4_K, Q5_K, IQ4_XS: the 256-block's scales, a vector per sub-block, in memory (indexed by jj at run time):
          * in registers beside ksum they would spill a 4 x 3 tile's sums */
-        __m512i kscale[NZ][8];
+        __m512i kscale[NZ][16];  /* Q3_K: 16, one per 16-weight sub-block */
         if (IS_K_QUANT(qtype))
             for (int i = 0; i < mr * NZ; i++) ksum[i] = _mm512_setzero_si512();
         if (HAS_MINS(qtype))
@@ -922,6 +1004,9 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         if (qtype == QUANT_IQ4_XS)
 #pragma GCC unroll 4
             for (int z = 0; z < nz; z++) iq4_unpack(panel_block(qtype, w, K, p0 + z, j0), kscale[z]);
+        if (qtype == QUANT_Q3_K)
+#pragma GCC unroll 4
+            for (int z = 0; z < nz; z++) q3_unpack(panel_block(qtype, w, K, p0 + z, j0), kscale[z]);
         for (int64_t j = j0; j < j0 + per; j++) {
             const int jj = (int)(j - j0);  /* a K-quant's sub-block */
             const uint8_t *blk[NZ];
@@ -967,7 +1052,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 4
                 for (int z = 0; z < nz; z++) {  /* the K-quants: times the sub-block's scale (Numerics) */
                     const __m512i sc = !IS_K_QUANT(qtype) ? _mm512_setzero_si512()
-                                       : HAS_KSCALE(qtype) ? kscale[z][jj]
+                                       : HAS_KSCALE(qtype) ? kscale[z][qtype == QUANT_Q3_K ? 2 * jj + hf : jj]
                                        : _mm512_cvtepi8_epi32(
                                              _mm_loadu_si128((const __m128i *)q6_scales(blk[z], j, hf)));
 #pragma GCC unroll 8
@@ -1038,6 +1123,7 @@ QTILE_FN(tile_q4_1, QUANT_Q4_1)
 QTILE_FN(tile_q5_1, QUANT_Q5_1)
 QTILE_FN(tile_iq4_xs, QUANT_IQ4_XS)
 QTILE_FN(tile_iq4_nl, QUANT_IQ4_NL)
+QTILE_FN(tile_q3_k, QUANT_Q3_K)
 
 /* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but the K-quants: Q4_K, Q5_K and IQ4_XS,
  * whose larger epilogue gains nothing from it, and Q6_K, whose two half sums would need twice the registers. Fewer code
@@ -1092,6 +1178,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
         else if (qtype == QUANT_Q5_1) tile_q5_1(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
         else if (qtype == QUANT_IQ4_XS) tile_iq4_xs(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
         else if (qtype == QUANT_IQ4_NL) tile_iq4_nl(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
+        else if (qtype == QUANT_Q3_K) tile_q3_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
         else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
     }
 }
@@ -1119,7 +1206,7 @@ static int single_stream_rows = 0;
 void gemm_quant_set_single_stream(int max_rows) { single_stream_rows = max_rows; }
 
 static int check_shape(int qtype, int64_t N, int64_t K) {
-    return qtype >= 0 && qtype <= QUANT_IQ4_NL && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
+    return qtype >= 0 && qtype <= QUANT_Q3_K && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
 }
 
 /* A task's rows of y (rows ldy apart, from column col0, width wide) in y's dtype, from tmp's fp32 (bf16 y)
@@ -1183,7 +1270,7 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
  * time: src[from + u unit ..] of lane l goes to dst[to + (16 u + l) unit ..]. */
 typedef struct { int from, to, bytes, unit; } Piece;
 
-static const Piece PIECES[10][5] = {
+static const Piece PIECES[11][5] = {
     {{0, 0, 2, 2}, {2, 32, 32, 4}},                                    /* Q8_0: d | codes */
     {{0, 0, 2, 2}, {2, 32, 16, 4}},                                    /* Q4_0: d | qs */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
@@ -1194,7 +1281,22 @@ static const Piece PIECES[10][5] = {
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {8, 128, 16, 4}},                    /* Q5_1: d | m | qs (hb: below) */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 4, 4}},                      /* IQ4_XS: d | scales (qs: below) */
     {{0, 0, 2, 2}, {2, 32, 16, 4}, {18, 288, 2, 2}, {20, 320, 16, 4}}, /* IQ4_NL: d | qs, twice */
+    {{108, 0, 2, 2}, {96, 32, 12, 4}},                                 /* Q3_K: d | scales (codes: below) */
 };
+
+/* Q3_K's 256 codes of row lane (GGUF: hmask[32] | qs[64] | scales[12] | d; K 128 n + 32 i + l (l < 32) has
+ * its low 2 bits at bit 2 i of qs[32 n + l] and its third at bit 4 n + i of hmask[l]) -> the packed vectors
+ * (into a zeroed dst). */
+static void pack_q3_k_codes(const uint8_t *src, int lane, uint8_t *dst) {
+    for (int k = 0; k < 256; k++) {
+        const int n = k / 128, i = k % 128 / 32, l = k % 32;
+        const int low = (src[32 + 32 * n + l] >> (2 * i)) & 3, third = (src[l] >> (4 * n + i)) & 1;
+        const int g = k % 32 / 4, t = k % 4;
+        uint8_t *v = dst + Q3_CODES + 192 * (k / 32);
+        v[64 * (g / 4) + 4 * lane + t] |= (uint8_t)(low << (2 * (g % 4)));
+        v[128 + 4 * lane + t] |= (uint8_t)(third << g);
+    }
+}
 
 /* IQ4_XS's qs (GGUF: 16 bytes per 32-block, at 8) of row lane -> each 32-block's codes as Q4_0's. */
 static void pack_iq4_xs_codes(const uint8_t *src, int lane, uint8_t *dst) {
@@ -1239,7 +1341,8 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
     for (int64_t p = 0; p < N / NR; p++)
         for (int64_t j = 0; j < nb; j++) {
             uint8_t *dst = (uint8_t *)out + (p * nb + j) * PANEL_BYTES[qtype];
-            if (qtype == QUANT_Q6_K) memset(dst, 0, (size_t)PANEL_BYTES[qtype]);  /* pack_q6_k_codes ORs bits in */
+            if (qtype == QUANT_Q6_K || qtype == QUANT_Q3_K)  /* their code packers OR bits in */
+                memset(dst, 0, (size_t)PANEL_BYTES[qtype]);
             for (int l = 0; l < NR; l++) {
                 const uint8_t *src = (const uint8_t *)blocks + ((p * NR + l) * nb + j) * bb;
                 for (int i = 0; i < 5 && PIECES[qtype][i].bytes > 0; i++) {
@@ -1251,6 +1354,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
                     pack_high_bits(src + (HAS_BLOCK_MIN(qtype) ? 4 : 2), l, dst + FIFTH_AT(qtype));
                 if (qtype == QUANT_Q6_K) pack_q6_k_codes(src, l, dst);
                 if (qtype == QUANT_IQ4_XS) pack_iq4_xs_codes(src, l, dst);
+                if (qtype == QUANT_Q3_K) pack_q3_k_codes(src, l, dst);
             }
             if (qtype == QUANT_Q8_0) /* int8 -> code + 128: the kernel's unsigned operand */
                 for (int i = 32; i < PANEL_BYTES[qtype]; i++) dst[i] ^= 0x80;
