@@ -117,12 +117,8 @@ def quantize_k_with_mins(values: np.ndarray, bits: int) -> np.ndarray:
 def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     """[N, K] fp32 (K % 256 == 0) -> Q6_K bytes [N, K / 256 * 210]."""
     n, k = values.shape
-    sub = values.reshape(n, k // 256, 16, 16).astype(np.float32)
-    scale = _signed_absmax(sub) / -32.0  # the sub-block's largest value -> code -32   [n, sb, 16]
-    d = (_signed_absmax(scale) / -128.0).astype(np.float16)  # the largest scale -> -128   [n, sb]
-    sc = _ratio(scale, d).clip(-128, 127).astype(np.int8)
-    step = d.astype(np.float32)[..., None] * sc  # each sub-block's weight per code step
-    codes = (_ratio(sub, step).clip(-32, 31) + 32).astype(np.uint8).reshape(n, k // 256, 2, 4, 32)
+    d, sc, codes = _signed_sub_blocks(values, 32, 128)
+    sc = sc.astype(np.int8)
     lo, hi = codes & 0xF, codes >> 4  # [n, sb, half, quarter, l]: GGUF's order of a super block's codes
     ql = np.concatenate([lo[..., 0, :] | (lo[..., 2, :] << 4), lo[..., 1, :] | (lo[..., 3, :] << 4)], axis=-1)
     qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
@@ -134,12 +130,7 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
 def quantize_q3_k(values: np.ndarray) -> np.ndarray:
     """[N, K] fp32 (K % 256 == 0) -> Q3_K bytes [N, K / 256 * 110]."""
     n, k = values.shape
-    sub = values.reshape(n, k // 256, 16, 16).astype(np.float32)
-    scale = _signed_absmax(sub) / -4.0  # the sub-block's largest value -> code -4   [n, sb, 16]
-    d = (_signed_absmax(scale) / -32.0).astype(np.float16)  # the largest scale -> -32   [n, sb]
-    sc = _ratio(scale, d).clip(-32, 31).astype(np.int16)
-    step = d.astype(np.float32)[..., None] * sc
-    codes = (_ratio(sub, step).clip(-4, 3) + 4).astype(np.uint8).reshape(n, k // 256, 2, 4, 32)  # [.., half, i, l]
+    d, sc, codes = _signed_sub_blocks(values, 4, 32)
     low, third = codes & 3, codes >> 2
     qs = (low << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)  # [n, sb, 2, 32]
     bit = (4 * np.arange(2)[:, None] + np.arange(4)[None, :]).astype(np.uint8)[..., None]  # bit 4 half + i
@@ -188,6 +179,20 @@ def _iq4_codes(units: np.ndarray) -> np.ndarray:
     table = IQ4_VALUES.astype(np.float32)
     codes = np.searchsorted((table[1:] + table[:-1]) / 2, units).astype(np.uint8)
     return codes[..., :16] | (codes[..., 16:] << 4)
+
+
+def _signed_sub_blocks(values: np.ndarray, code_min: int, scale_min: int) -> tuple[np.ndarray, ...]:
+    """Q6_K's and Q3_K's rounding: [N, K] (K % 256 == 0) in 16-weight sub-blocks, each sub-block's largest value
+    mapped onto code -code_min, the largest scale onto -scale_min. Returns the fp16 d [n, sb], the integer
+    scales [n, sb, 16] (int16) and the codes + code_min [n, sb, half, quarter, l] (uint8: GGUF's order)."""
+    n, k = values.shape
+    sub = values.reshape(n, k // 256, 16, 16).astype(np.float32)
+    scale = _signed_absmax(sub) / -code_min  # [n, sb, 16]
+    d = (_signed_absmax(scale) / -scale_min).astype(np.float16)  # [n, sb]
+    sc = _ratio(scale, d).clip(-scale_min, scale_min - 1).astype(np.int16)
+    step = d.astype(np.float32)[..., None] * sc  # each sub-block's weight per code step
+    codes = _ratio(sub, step).clip(-code_min, code_min - 1) + code_min
+    return d, sc, codes.astype(np.uint8).reshape(n, k // 256, 2, 4, 32)
 
 
 def _signed_absmax(values: np.ndarray) -> np.ndarray:
