@@ -125,6 +125,12 @@
 static const int64_t PANEL_BYTES[11] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176, NR * 20, NR * 24,
                                         NR * 136, NR * 36, NR * 110};
 static const int64_t BLOCK_K[11] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256};
+/* Every format, for the per-format tile copies (QTILE_FN) and their table by qtype: X(name, qtype). */
+#define QUANT_FORMATS(X)                                                                                     \
+    X(tile_q8_0, QUANT_Q8_0) X(tile_q4_0, QUANT_Q4_0) X(tile_q4_k, QUANT_Q4_K) X(tile_q5_0, QUANT_Q5_0)      \
+    X(tile_q6_k, QUANT_Q6_K) X(tile_q5_k, QUANT_Q5_K) X(tile_q4_1, QUANT_Q4_1) X(tile_q5_1, QUANT_Q5_1)      \
+    X(tile_iq4_xs, QUANT_IQ4_XS) X(tile_iq4_nl, QUANT_IQ4_NL) X(tile_q3_k, QUANT_Q3_K)
+#define QTILE_ENTRY(NAME, QT) [QT] = NAME,
 #define K5_HIGH 256  /* where a Q5_K panel block's fifth bits start (after the scales, before the codes) */
 /* Where a Q4_K / Q5_K panel block's 4-bit codes start: Q5_K's after its fifth bits, so that a 256-block is
  * read front to back (with the fifth bits last, as GGUF has them, its first 32-block read the block's end
@@ -727,17 +733,10 @@ _Static_assert(MR2 == 4, "the tile cases below cover mr <= 4");
         const int qtype = QT;                                                                                \
         switch (mr) { QCASE2(1) QCASE2(2) QCASE2(3) QCASE2(4) default: break; }                               \
     }
-QTILE_FN(tile_q8_0, QUANT_Q8_0)
-QTILE_FN(tile_q4_0, QUANT_Q4_0)
-QTILE_FN(tile_q4_k, QUANT_Q4_K)
-QTILE_FN(tile_q5_0, QUANT_Q5_0)
-QTILE_FN(tile_q6_k, QUANT_Q6_K)
-QTILE_FN(tile_q5_k, QUANT_Q5_K)
-QTILE_FN(tile_q4_1, QUANT_Q4_1)
-QTILE_FN(tile_q5_1, QUANT_Q5_1)
-QTILE_FN(tile_iq4_xs, QUANT_IQ4_XS)
-QTILE_FN(tile_iq4_nl, QUANT_IQ4_NL)
-QTILE_FN(tile_q3_k, QUANT_Q3_K)
+QUANT_FORMATS(QTILE_FN)
+/* Each format's tile, by qtype. */
+static void (*const TILES[])(const QuantRows *, int64_t, int, const uint8_t *, int64_t, int64_t, float *, int64_t,
+                             int) = {QUANT_FORMATS(QTILE_ENTRY)};
 
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz, a panel at a time (its blocks then stay in L1 for
  * every micro-tile of rows); the hardware prefetcher streams the panels. */
@@ -750,17 +749,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
             const int mr = (int)(rows - m < MR2 ? rows - m : MR2);
             float *o = out + m * ldo + z * NR;
             const int stream = m == 0 && prefetch;
-            if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else if (qtype == QUANT_Q6_K) tile_q6_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else if (qtype == QUANT_Q5_K) tile_q5_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else if (qtype == QUANT_Q4_1) tile_q4_1(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else if (qtype == QUANT_Q5_1) tile_q5_1(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else if (qtype == QUANT_IQ4_XS) tile_iq4_xs(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else if (qtype == QUANT_IQ4_NL) tile_iq4_nl(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else if (qtype == QUANT_Q3_K) tile_q3_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
-            else tile_q4_k(x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
+            TILES[qtype](x, m0 + m, mr, w, K, p0 + z, o, ldo, stream);
         }
 }
 #else
@@ -992,8 +981,8 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
     const int per = IS_K_QUANT(qtype) ? KB / QB : 1;
     for (int64_t j0 = 0; j0 < nb; j0 += per) {
         __m512i ksum[MR_WIDE * NZ];  /* K-quants: the 256-block's integer sums so far, each times its scale */
-        /* Q4_K, Q5_K, IQ4_XS: the 256-block's scales, a vector per sub-block, in memory (indexed by jj at run time):
-         * in registers beside ksum they would spill a 4 x 3 tile's sums */
+        /* Q4_K, Q5_K, IQ4_XS, Q3_K: the 256-block's scales, a vector per sub-block, in memory (indexed at run
+         * time): in registers beside ksum they would spill a 4 x 3 tile's sums */
         __m512i kscale[NZ][16];  /* Q3_K: 16, one per 16-weight sub-block */
         if (IS_K_QUANT(qtype))
             for (int i = 0; i < mr * NZ; i++) ksum[i] = _mm512_setzero_si512();
@@ -1117,23 +1106,17 @@ _Static_assert(MR <= 4 && MR_WIDE <= 8 && NZ <= 3,
             QCASES(1) QCASES(2) QCASES(3) QCASES(4) QCASES(5) QCASES(6) QCASES(7) QCASES(8) default: break;  \
         }                                                                                                    \
     }
-QTILE_FN(tile_q8_0, QUANT_Q8_0)
-QTILE_FN(tile_q4_0, QUANT_Q4_0)
-QTILE_FN(tile_q4_k, QUANT_Q4_K)
-QTILE_FN(tile_q5_0, QUANT_Q5_0)
-QTILE_FN(tile_q6_k, QUANT_Q6_K)
-QTILE_FN(tile_q5_k, QUANT_Q5_K)
-QTILE_FN(tile_q4_1, QUANT_Q4_1)
-QTILE_FN(tile_q5_1, QUANT_Q5_1)
-QTILE_FN(tile_iq4_xs, QUANT_IQ4_XS)
-QTILE_FN(tile_iq4_nl, QUANT_IQ4_NL)
-QTILE_FN(tile_q3_k, QUANT_Q3_K)
+QUANT_FORMATS(QTILE_FN)
+/* Each format's tile, by qtype. */
+static void (*const TILES[])(const QuantRows *, int64_t, int, const uint8_t *, int64_t, int64_t, int, float *,
+                             int64_t, int, Ahead) = {QUANT_FORMATS(QTILE_ENTRY)};
 
 /* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but the K-quants: Q4_K, Q5_K and IQ4_XS,
- * whose larger epilogue gains nothing from it, and Q6_K, whose two half sums would need twice the registers. Fewer code
- * unpacks and x broadcasts per vpdpbusd: on an AMX Xeon a batch of 16 of a 1B model ran 1.09x (Q4_0 and
- * Q8_0, scripts/quant_modes_ab.py); kernels/quant_linear.py times it against MR-row tiles at load and
- * keeps the faster (0: off). The bits do not depend on it. */
+ * whose larger epilogue gains nothing from it (IQ4_XS spilled: 1.55x slower at 16 rows), and Q6_K and Q3_K,
+ * whose two half sums would need twice the registers. Fewer code unpacks and x broadcasts per vpdpbusd: on
+ * an AMX Xeon a batch of 16 of a 1B model ran 1.09x (Q4_0 and Q8_0, scripts/quant_modes_ab.py);
+ * kernels/quant_linear.py times it against MR-row tiles at load and keeps the faster (0: off). The bits do
+ * not depend on it. */
 static int wide_tiles = 0;
 
 void gemm_quant_set_wide_tiles(int on) { wide_tiles = on; }
@@ -1173,17 +1156,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
         const int stream = i == 0 ? prefetch : 0;  /* the task's first micro-tile reads its panels from memory */
         const Ahead ahead = prefetch ? ahead_slice(next, next_bytes, rows, height, i, K) : (Ahead){NULL, 0};
         float *o = out + m * ldo;
-        if (qtype == QUANT_Q8_0) tile_q8_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
-        else if (qtype == QUANT_Q4_0) tile_q4_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
-        else if (qtype == QUANT_Q5_0) tile_q5_0(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
-        else if (qtype == QUANT_Q6_K) tile_q6_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
-        else if (qtype == QUANT_Q5_K) tile_q5_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
-        else if (qtype == QUANT_Q4_1) tile_q4_1(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
-        else if (qtype == QUANT_Q5_1) tile_q5_1(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
-        else if (qtype == QUANT_IQ4_XS) tile_iq4_xs(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
-        else if (qtype == QUANT_IQ4_NL) tile_iq4_nl(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
-        else if (qtype == QUANT_Q3_K) tile_q3_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
-        else tile_q4_k(x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
+        TILES[qtype](x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
     }
 }
 #endif
