@@ -5,8 +5,9 @@ folder, converts it with llama.cpp's own `convert_hf_to_gguf.py` to a dense GGUF
 requantizes that file to Q8_0 / Q4_0 / Q4_1 / Q5_1 / Q4_K (scripts/quantize_gguf.py, gguf-py's reference
 rounding, every matrix), or to llama-quantize's own mixes (q4_k_m: Q4_K with Q6_K / Q5_0 / Q8_0 matrices
 where llama.cpp puts them; q5_k_m: Q5_K with Q6_K / Q5_1 / Q8_0; iq4_xs: IQ4_XS with Q6_K / Q5_K / Q8_0,
-IQ4_NL where K is no multiple of 256; q3_k_m: Q3_K with Q4_K / Q5_K / Q6_K; needs `build/bin/llama-quantize`). Both servers then load the very
-same file. Against each, in turn, one server up at a time:
+IQ4_NL where K is no multiple of 256; q3_k_m: Q3_K with Q4_K / Q5_K / Q6_K; q2_k: Q2_K with Q3_K / Q4_K /
+Q6_K; needs `build/bin/llama-quantize`). Both servers then load the very same file. Against each, in turn,
+one server up at a time:
 
     single   one stream: --num-single requests one after another
     batch    --batch-size requests at once
@@ -23,7 +24,7 @@ int8 dot products for quantized files, fp32 FMAs for dense ones). JSON + plot.
     .venv/bin/python -m benchmarks.llama_cpp --llama-cpp DIR [--shapes smollm2-135m,qwen2.5-0.5b]
         [--formats bf16,q8_0,q4_0] [--threads 1] [--repeats 1] [--work-dir /tmp/llama_cpp_shapes] [--report]
 
-DIR is a llama.cpp tree with `build/bin/llama-server` (and for q4_k_m / q5_k_m `llama-quantize`) built
+DIR is a llama.cpp tree with `build/bin/llama-server` (and for its mixes `llama-quantize`) built
 (docs/BENCHMARKS.md says how). Cells are merged into an existing --json of the same loads: a re-run of
 some shapes or formats replaces those and keeps the rest, each cell with its own date.
 """
@@ -54,7 +55,7 @@ from cobatch.testing.server import free_port, running_server
 ROOT = Path(__file__).resolve().parent.parent
 DENSE = ("bf16", "f32")
 # format -> llama-quantize's type name
-LLAMA_QUANTIZE_MIXES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "iq4_xs": "IQ4_XS", "q3_k_m": "Q3_K_M"}
+LLAMA_QUANTIZE_MIXES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "iq4_xs": "IQ4_XS", "q3_k_m": "Q3_K_M", "q2_k": "Q2_K"}
 QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_1", "q4_k", *LLAMA_QUANTIZE_MIXES)
 SERVERS = ("llama-server", "cobatch")
 _READY_TIMEOUT_S = 600.0

@@ -139,7 +139,7 @@ class EngineConfig(SchedulingOptions):
     device: str = _option("auto", "torch device (auto: cuda when available, else cpu)")
     quantization: Quantization | None = _option(None, "quantize the dense projections and embeddings to "
                                                 "this GGUF block format at load (CPU; a GGUF's Q8_0, Q4_0, "
-                                                "Q4_1, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL and "
+                                                "Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL and "
                                                 "IQ4_XS weights stay quantized without it)", _quantization)
     num_kv_blocks: int | None = _option(None, "KV-cache blocks (default: from --kv-cache-memory-gb)",
                                         _positive)

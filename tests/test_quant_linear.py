@@ -1,6 +1,6 @@
 """csrc/gemm_quant.c through kernels/quant_linear.py: the quantized GEMM against the GGUF weights as gguf-py
-dequantizes them (fp32/fp64 torch), for Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL and IQ4_XS, any
-M, N not a multiple of the tile, 1 and 2 threads, bf16 and bias; the embedding rows; the plain C and AVX2
+dequantizes them (fp32/fp64 torch), for Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL and
+IQ4_XS, any M, N not a multiple of the tile, 1 and 2 threads, bf16 and bias; the embedding rows; the plain C and AVX2
 builds on the same layout."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(native_quant_gemm() is None, reason="the kernels
 CASES = [("q8_0", 32), ("q8_0", 96), ("q4_0", 64), ("q4_0", 160), ("q4_k", 256), ("q4_k", 768),
          ("q5_0", 32), ("q5_0", 160), ("q5_k", 256), ("q5_k", 768), ("q6_k", 256), ("q6_k", 768),
          ("q4_1", 32), ("q4_1", 160), ("q5_1", 64), ("q5_1", 160), ("iq4_xs", 256), ("iq4_xs", 768),
-         ("iq4_nl", 64), ("iq4_nl", 192), ("q3_k", 256), ("q3_k", 768)]
+         ("iq4_nl", 64), ("iq4_nl", 192), ("q3_k", 256), ("q3_k", 768), ("q2_k", 256), ("q2_k", 768)]
 # N: one panel, one full tile (3 panels), a tile of 3 and one of 2, several tiles ending on a single panel
 WIDTHS = (16, 48, 80, 112)
 # M: one row, below / at / past the micro-tile (4), past a task's chunk of rows (128)
@@ -168,15 +168,15 @@ def test_embedding_rows_are_the_dequantized_rows(fmt: str) -> None:
 
 # Bounds on each quantizer's relative round-trip error on Gaussian weights, ~1.3x the values measured
 # (Q8_0 0.54%, Q6_K 1.9%, Q5_0 4.3%, Q5_1 3.8%, Q5_K 3.8%, Q4_0 8.6%, Q4_1 7.9%, Q4_K 7.9%, IQ4_XS 8.1%,
-# IQ4_NL 8.0%, Q3_K 15.5%): a broken layout or rounding lands far above.
+# IQ4_NL 8.0%, Q3_K 15.5%, Q2_K 33%): a broken layout or rounding lands far above.
 ROUND_TRIP_ERROR = {"q8_0": 0.007, "q6_k": 0.025, "q5_0": 0.055, "q5_1": 0.05, "q5_k": 0.05, "q4_0": 0.11,
                     "q4_1": 0.105, "q4_k": 0.105, "iq4_xs": 0.105, "iq4_nl": 0.105,
-                    "q3_k": 0.2}
+                    "q3_k": 0.2, "q2_k": 0.42}
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_quantizers_round_trip_within_their_format_s_error(fmt: str) -> None:
-    """models/quantization.py writes blocks gguf-py reads back close to the input (the plain Q3_K, Q4_K, Q5_K,
+    """models/quantization.py writes blocks gguf-py reads back close to the input (the plain Q2_K, Q3_K, Q4_K, Q5_K,
     Q6_K, IQ4_XS and IQ4_NL quantizers included), and an all-zero matrix exactly."""
     w = torch.randn(32, 512, generator=torch.Generator().manual_seed(3))
     error = (dequantize(quantize(w, fmt), fmt) - w).norm() / w.norm()

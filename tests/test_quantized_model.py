@@ -132,7 +132,8 @@ def test_quantized_gguf_keeps_its_bytes_and_matches_its_dequantized_weights(quan
 
 
 # As llama-quantize's mixes do: some attn_v and ffn_down in other types, a fused q | k | v of two formats.
-MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.1[0-2]\.ffn_down=tq2_0", r"blk\.1[34]\.ffn_down=q3_k",
+MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.1[0-2]\.ffn_down=tq2_0", r"blk\.13\.ffn_down=q3_k",
+       r"blk\.14\.ffn_down=q2_k",
        r"blk\.2[0-4]\.attn_k=q8_0",
        r"blk\.2[5-9]\.ffn_down=q5_0", r"blk\.[5-9]\.ffn_down=q6_k", r"blk\.1[5-9]\.ffn_down=q5_k",
        r"blk\.2[0-4]\.ffn_down=q5_1", r"blk\.[0-4]\.ffn_down=iq4_xs",
@@ -141,7 +142,7 @@ MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.1[0-2]\.ffn_down=tq2_0", r"blk\.1[34]\
 
 def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quantized_gguf) -> None:
     """A TQ2_0 matrix becomes Q8_0 (requantized), and so does q | k | v of mixed formats (exactly from a
-    Q5_0 v); a Q3_K, Q5_0, Q5_1, Q5_K, Q6_K or IQ4_XS ffn_down and an IQ4_NL gate | up stay as they are (their
+    Q5_0 v); a Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K or IQ4_XS ffn_down and an IQ4_NL gate | up stay as they are (their
     values exactly): no dense matrix, a little more than the file's bytes, greedy output ranked by its
     dequantized weights as the plain files' is."""
     path = quantized_gguf("q4_0", *MIX)
@@ -156,6 +157,7 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     assert quant_type(model.layers[20].down_proj).name == "q5_1"
     assert quant_type(model.layers[0].down_proj).name == "iq4_xs"
     assert quant_type(model.layers[13].down_proj).name == "q3_k"
+    assert quant_type(model.layers[14].down_proj).name == "q2_k"
     assert quant_type(model.layers[0].gate_up_proj).name == "iq4_nl"
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() > 1)
     assert model_bytes <= 1.2 * _matrix_bytes(path)
@@ -170,7 +172,7 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     block_max = down_dense.abs().reshape(down_dense.shape[0], -1, 32).amax(-1, keepdim=True)
     error = (served - down_dense).abs().reshape(block_max.shape[0], -1, 32)
     assert (error <= block_max * (1 / 254 + 1 / 1024)).all()
-    for layer in (5, 15, 20, 0, 13):  # Q6_K, Q5_K, Q5_1, IQ4_XS, Q3_K
+    for layer in (5, 15, 20, 0, 13, 14):  # Q6_K, Q5_K, Q5_1, IQ4_XS, Q3_K, Q2_K
         down_k = reader[f"blk.{layer}.ffn_down.weight"]
         down_k_dense = torch.from_numpy(gguf.quants.dequantize(down_k.data, down_k.tensor_type))
         served_k = quantized_rows(torch.arange(down_k_dense.shape[0]), model.layers[layer].down_proj.data,
@@ -181,7 +183,7 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     served_gate = quantized_rows(torch.arange(gate_dense.shape[0]), model.layers[0].gate_up_proj.data, torch.float32)
     assert torch.equal(served_gate, gate_dense)
     _check_against_dequantized(llm, {"q4_0", "q8_0", "q5_0", "q5_1", "q5_k", "q6_k", "iq4_xs", "iq4_nl",
-                                     "q3_k"})
+                                     "q3_k", "q2_k"})
 
 
 def test_hf_folder_quantized_at_load_matches_its_dequantized_weights(hf_folder: Path) -> None:
@@ -216,6 +218,6 @@ def test_a_file_mostly_in_other_types_is_served_dense() -> None:
         return SimpleNamespace(shape=[64, 64], n_bytes=n_bytes, tensor_type=kind)
 
     norm = SimpleNamespace(shape=[64], n_bytes=10**6, tensor_type=gguf.GGMLQuantizationType.F32)
-    q2, q4_1 = gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q4_1
-    assert _mostly_served([tensor(q4_1, 60), tensor(q2, 40), norm])
-    assert not _mostly_served([tensor(q4_1, 40), tensor(q2, 60), norm])
+    iq3, q4_1 = gguf.GGMLQuantizationType.IQ3_XXS, gguf.GGMLQuantizationType.Q4_1
+    assert _mostly_served([tensor(q4_1, 60), tensor(iq3, 40), norm])
+    assert not _mostly_served([tensor(q4_1, 40), tensor(iq3, 60), norm])

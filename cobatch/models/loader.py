@@ -2,12 +2,12 @@
 
 Both sources are first turned into HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...), then
 `build_model` fuses them into the decoder's layout (QKV and gate/up concatenated). A GGUF tensor in a
-format the quantized kernel serves (Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS:
+format the quantized kernel serves (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS:
 kernels/quant_linear.py) stays as its blocks, a uint8 [N, K / block, block_bytes] tensor, and the model
 keeps it packed, never dense (so the Q6_K lm_head, attn_v and ffn_down of llama-quantize's Q4_K_M mix stay
 Q6_K, and the Q5_1 matrices its Q5_K_M puts where K is no multiple of 256 stay Q5_1). In a file mostly in
 those formats, a matrix in another quantized type becomes Q8_0, requantized from the dequantized values of
-Q2_K, the IQ2 / IQ3 types and the rest (exactly from an IQ4_NL matrix whose K is no multiple of 64), and so
+the IQ2 / IQ3 types and the rest (exactly from an IQ4_NL matrix whose K is no multiple of 64), and so
 does a fused projection whose parts differ in format (exactly from Q4_0, Q5_0 and IQ4_NL parts): dense fp32
 copies of them would hold 4-5x their bytes and be streamed every step. Other files are
 dequantized with `gguf`, and so is the bundled model (model_paths.is_bundled_model): it is the project's
@@ -265,7 +265,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
 
 def _mostly_served(tensors: list) -> bool:
     """Whether most of a file's matrix bytes are in types the quantized kernel serves. A file mostly in
-    other types (Q2_K, IQ2 / IQ3 ...) is served dense: requantizing most of it to Q8_0 would hold more bytes
+    other types (IQ2 / IQ3 ...) is served dense: requantizing most of it to Q8_0 would hold more bytes
     than the file and change the numerics of all of it."""
     matrices = [t for t in tensors if len(t.shape) == 2]
     served = sum(int(t.n_bytes) for t in matrices if quant.format_of(t.tensor_type) is not None)

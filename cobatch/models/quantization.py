@@ -1,5 +1,5 @@
-"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS), for
-`--quantization` and the test files.
+"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS),
+for `--quantization` and the test files.
 
 The 32-weight formats use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
 `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` / ..., so a folder quantized here holds the bytes
@@ -7,7 +7,8 @@ llama-quantize's reference path writes. gguf-py has no K-quant quantizers: `quan
 plain one (each 32-weight sub-block's range mapped onto 0..15 for Q4_K, 0..31 for Q5_K, its scale and min
 rounded to 6 bits of the super block's fp16 d and dmin), and so is `quantize_q6_k` (each 16-weight
 sub-block's largest value mapped onto -32, its scale rounded to an int8 of the super block's d, as the
-first step of llama.cpp's), and so is `quantize_q3_k` (the same with codes -4..3 and 6-bit scales), and
+first step of llama.cpp's), and so is `quantize_q3_k` (the same with codes -4..3 and 6-bit scales),
+`quantize_q2_k` (Q4_K's way on 16-weight sub-blocks, codes 0..3, 4-bit scales and mins), and
 `quantize_iq4_xs` (each 32-weight sub-block's largest value mapped
 onto the table's -127, its scale rounded to 6 bits of the super block's d, each weight to the nearest
 table value) and `quantize_iq4_nl` (the same per 32-block, with an fp16 scale), all without llama.cpp's
@@ -28,7 +29,7 @@ GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizat
               "q6_k": gguf.GGMLQuantizationType.Q6_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
               "q4_1": gguf.GGMLQuantizationType.Q4_1, "q5_1": gguf.GGMLQuantizationType.Q5_1,
               "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS, "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL,
-              "q3_k": gguf.GGMLQuantizationType.Q3_K}
+              "q3_k": gguf.GGMLQuantizationType.Q3_K, "q2_k": gguf.GGMLQuantizationType.Q2_K}
 # IQ4_NL's and IQ4_XS's 16 weight values per unit of scale (llama.cpp's kvalues_iq4nl).
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
@@ -52,6 +53,8 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
         data = quantize_iq4_nl(values)
     elif name == "q3_k":
         data = quantize_q3_k(values)
+    elif name == "q2_k":
+        data = quantize_q2_k(values)
     else:
         data = gguf.quants.quantize(values, GGUF_TYPES[name])
     return torch.from_numpy(np.ascontiguousarray(data)).view(weight.shape[0], -1, fmt.block_bytes)
@@ -141,6 +144,25 @@ def quantize_q3_k(values: np.ndarray) -> np.ndarray:
                              top2[..., 0:4] | (top2[..., 4:8] << 2) | (top2[..., 8:12] << 4) | (top2[..., 12:16] << 6)],
                             axis=-1)
     out = np.concatenate([hmask, qs.reshape(n, k // 256, 64), scales, d[..., None].view(np.uint8)], axis=-1)
+    return out.reshape(n, -1)
+
+
+def quantize_q2_k(values: np.ndarray) -> np.ndarray:
+    """[N, K] fp32 (K % 256 == 0) -> Q2_K bytes [N, K / 256 * 84]."""
+    n, k = values.shape
+    sub = values.reshape(n, k // 256, 16, 16).astype(np.float32)
+    low = np.minimum(sub.min(axis=-1), 0.0)  # each sub-block's range, holding 0, onto codes 0..3
+    scale = (sub.max(axis=-1) - low) / 3.0
+    d = (scale.max(axis=-1) / 15.0).astype(np.float16)  # [n, sb]: scales and mins in 4 bits
+    dmin = ((-low).max(axis=-1) / 15.0).astype(np.float16)
+    sc = _ratio(scale, d).clip(0, 15).astype(np.uint8)  # [n, sb, 16]
+    mn = _ratio(-low, dmin).clip(0, 15).astype(np.uint8)
+    a = d.astype(np.float32)[..., None] * sc  # the weights as stored: a * code - b
+    b = dmin.astype(np.float32)[..., None] * mn
+    codes = _ratio(sub + b[..., None], a[..., None]).clip(0, 3).astype(np.uint8).reshape(n, k // 256, 2, 4, 32)
+    qs = (codes << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)  # [n, sb, 2, 32]
+    out = np.concatenate([sc | (mn << 4), qs.reshape(n, k // 256, 64), d[..., None].view(np.uint8),
+                          dmin[..., None].view(np.uint8)], axis=-1)
     return out.reshape(n, -1)
 
 

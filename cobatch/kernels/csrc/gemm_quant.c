@@ -1,5 +1,6 @@
-/* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 4.5 to 8.5 bits per
- * weight (Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS), x fp32 or bf16, fp32 accumulation.
+/* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 2.6 to 8.5 bits per
+ * weight (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS), x fp32 or bf16, fp32
+ * accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
  * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
@@ -23,6 +24,8 @@
  *     Q6_K: c = the 6-bit code 0..63, per 16-weight sub-block a = d * scale (int8), o = 32: each half
  *           of a 32-block has its own integer sum, times its scale (Numerics), and a = d;
  *     Q3_K: c = the 3-bit code 0..7, per 16-weight sub-block a = d * scale (6 bits, - 32), o = 4: as Q6_K;
+ *     Q2_K: c = the 2-bit code 0..3, per 16-weight sub-block w = d scale c - dmin min (4 bits each): Q6_K's
+ *           two sums a 32-block, and Q4_K's mins (times x's 16-block sums);
  *     IQ4_NL: c = the 4-bit index's value in llama.cpp's non-linear table (int8) + 128, looked up by a
  *           byte shuffle (vpshufb), a = d, o = 128;
  *     IQ4_XS: c as IQ4_NL's, o = 128, per 32-weight sub-block a = d * scale (6 bits, - 32): as Q6_K, the
@@ -49,6 +52,9 @@
  *                       per 32-block c (0..7): low[2][16][4] (bits 2 (g % 4), + 1 of byte t of row l in
  *                       vector g / 4: the low bits of the code of K 32 c + 4 g + t) | hb[16][4] (bit g:
  *                       its third bit), regrouped from GGUF's qs / hmask at packing
+ *     Q2_K (1344 bytes): d[16] | dmin[16] fp16 | scales[4][16][4]: GGUF's 16 scale bytes of row l, 4 at a
+ *                       time (scale: the low nibble, min: the high) | then per 32-block c: low[2][16][4] as
+ *                       Q3_K's (from GGUF's qs)
  *     IQ4_NL (576 bytes): two 32-blocks, each as Q4_0's (d[16] | qs[4][16][4]): a panel size of its own
  *     IQ4_XS (2176 bytes): d[16] fp16 | scales_h[16] u16 | scales_l[16][4]: GGUF's of row l (sub-block i's
  *                       scale: nibble i of the 4 bytes, bits 2 i, 2 i + 1 of scales_h on top) | then per
@@ -122,14 +128,14 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* Bytes of one panel block and weights per format block. */
-static const int64_t PANEL_BYTES[11] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176, NR * 20, NR * 24,
-                                        NR * 136, NR * 36, NR * 110};
-static const int64_t BLOCK_K[11] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256};
+static const int64_t PANEL_BYTES[12] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176, NR * 20, NR * 24,
+                                        NR * 136, NR * 36, NR * 110, NR * 84};
+static const int64_t BLOCK_K[12] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256, 256};
 /* Every format, for the per-format tile copies (QTILE_FN) and their table by qtype: X(name, qtype). */
 #define QUANT_FORMATS(X)                                                                                     \
     X(tile_q8_0, QUANT_Q8_0) X(tile_q4_0, QUANT_Q4_0) X(tile_q4_k, QUANT_Q4_K) X(tile_q5_0, QUANT_Q5_0)      \
     X(tile_q6_k, QUANT_Q6_K) X(tile_q5_k, QUANT_Q5_K) X(tile_q4_1, QUANT_Q4_1) X(tile_q5_1, QUANT_Q5_1)      \
-    X(tile_iq4_xs, QUANT_IQ4_XS) X(tile_iq4_nl, QUANT_IQ4_NL) X(tile_q3_k, QUANT_Q3_K)
+    X(tile_iq4_xs, QUANT_IQ4_XS) X(tile_iq4_nl, QUANT_IQ4_NL) X(tile_q3_k, QUANT_Q3_K) X(tile_q2_k, QUANT_Q2_K)
 #define QTILE_ENTRY(NAME, QT) [QT] = NAME,
 #define K5_HIGH 256  /* where a Q5_K panel block's fifth bits start (after the scales, before the codes) */
 /* Where a Q4_K / Q5_K panel block's 4-bit codes start: Q5_K's after its fifth bits, so that a 256-block is
@@ -139,8 +145,11 @@ static const int64_t BLOCK_K[11] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 
 #define Q6_CODES 288 /* where a Q6_K panel block's codes start (after d and the scales) */
 #define Q6_BLOCK 384 /* a Q6_K panel's bytes of codes per 32-block: two halves of 3 vectors */
 
-/* Integer sums per 32-block: 2 for Q6_K (one per 16-weight sub-block, each with its own scale), else 1. */
-static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K || qtype == QUANT_Q3_K ? 2 : 1; }
+/* Q3_K and Q2_K: 2-bit codes regrouped alike (Q3_K's third bit apart), 16 scales a 256-block unpacked at once. */
+#define IS_LOW2(qtype) ((qtype) == QUANT_Q3_K || (qtype) == QUANT_Q2_K)
+/* Integer sums per 32-block: 2 for Q6_K, Q3_K, Q2_K (one per 16-weight sub-block, each with its own scale),
+ * else 1. */
+static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K || IS_LOW2(qtype) ? 2 : 1; }
 
 /* The formats with a min per sub-block (w = a c - b): Q4_K and Q5_K, which share their scales' layout. A
  * macro: a plain expression of the literal qtype folds before the tile's loops are unrolled (as an inline
@@ -157,6 +166,7 @@ static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K || qtyp
 
 #define IQ4_CODES 128  /* where an IQ4_XS panel block's codes start (after d and the scales) */
 #define Q3_CODES 224   /* where a Q3_K panel block's codes start (after d and the scales), 192 bytes a 32-block */
+#define Q2_CODES 320   /* where a Q2_K panel block's codes start (after d, dmin, the scales), 128 bytes a 32-block */
 /* IQ4_XS: llama.cpp's table of the 16 weight values (kvalues_iq4nl), + 128: the kernel's unsigned codes. */
 static const uint8_t IQ4_CODE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
@@ -167,10 +177,11 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
 
 /* The K-quants (256-weight blocks whose sub-blocks carry integer scales): x is quantized per 256 for them,
  * so a whole block's integer sums add up as integers before one fp32 step (llama.cpp's Q8_K). */
-#define IS_K_QUANT(qtype) \
-    (HAS_MINS(qtype) || (qtype) == QUANT_Q6_K || (qtype) == QUANT_IQ4_XS || (qtype) == QUANT_Q3_K)
+#define IS_K_QUANT(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q6_K || (qtype) == QUANT_IQ4_XS || IS_LOW2(qtype))
 /* The K-quants whose sub-block scales are unpacked once per 256-block (kscale), rather than read per 32. */
-#define HAS_KSCALE(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_IQ4_XS || (qtype) == QUANT_Q3_K)
+#define HAS_KSCALE(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_IQ4_XS || IS_LOW2(qtype))
+/* The K-quants with a min per sub-block, subtracted once per 256-block as dmin dx sum_i min_i sum(q of i). */
+#define HAS_KMIN(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q2_K)
 /* Codes that are a signed int8 + 128 (Q8_0, IQ4_NL, IQ4_XS): the AVX2 path multiplies |w| by x with w's sign. */
 #define SIGNED_CODES(qtype) ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_NL || (qtype) == QUANT_IQ4_XS)
 #define KB 256  /* weights per K-quant block, and per x scale for them */
@@ -287,7 +298,7 @@ static inline float code_offset(int qtype) {
     case QUANT_Q6_K: return 32.0f;
     case QUANT_Q3_K: return 4.0f;
     case QUANT_Q5_0: return 16.0f;
-    case QUANT_Q4_1: case QUANT_Q5_1: return 0.0f;
+    case QUANT_Q4_1: case QUANT_Q5_1: case QUANT_Q2_K: return 0.0f;
     default: return 8.0f;
     }
 }
@@ -308,6 +319,12 @@ static inline int q3_scale(const uint8_t *blk, int lane, int s) {
     return (low | (int)(((a[2] >> (2 * word + 8 * byte)) & 3) << 4)) - 32;
 }
 
+/* Q2_K: sub-block s's (0..15) scale and min of row lane, 0..15 each: the nibbles of its scale byte. */
+static inline void q2_scale_min(const uint8_t *blk, int lane, int s, int *sc, int *mn) {
+    const uint8_t byte = blk[64 + 64 * (s / 4) + 4 * lane + s % 4];
+    *sc = byte & 0xf, *mn = byte >> 4;
+}
+
 /* The weight w = a c - b at K index k (0..31) of 32-block j (of the panel block at blk) for row lane. */
 static void block_ab(int qtype, const uint8_t *blk, int lane, int j, int k, float *a, float *b) {
     if (qtype == QUANT_Q6_K) {
@@ -319,6 +336,13 @@ static void block_ab(int qtype, const uint8_t *blk, int lane, int j, int k, floa
     if (qtype == QUANT_Q3_K) {
         *a = f16_to_f32(load_u16(blk + 2 * lane)) * (float)q3_scale(blk, lane, 2 * (j % 8) + k / 16);
         *b = *a * 4.0f;
+        return;
+    }
+    if (qtype == QUANT_Q2_K) {
+        int sc, mn;
+        q2_scale_min(blk, lane, 2 * (j % 8) + k / 16, &sc, &mn);
+        *a = f16_to_f32(load_u16(blk + 2 * lane)) * (float)sc;
+        *b = f16_to_f32(load_u16(blk + 32 + 2 * lane)) * (float)mn;
         return;
     }
     (void)k;
@@ -355,6 +379,7 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
         const uint8_t *v = blk + Q3_CODES + 192 * (j % 8);
         return ((v[64 * (g / 4) + 4 * lane + t] >> (2 * (g % 4))) & 3) | (((v[128 + 4 * lane + t] >> g) & 1) << 2);
     }
+    if (qtype == QUANT_Q2_K) return (blk[Q2_CODES + 128 * (j % 8) + 64 * (g / 4) + 4 * lane + t] >> (2 * (g % 4))) & 3;
     if (qtype == QUANT_IQ4_NL) return IQ4_CODE[(blk[32 + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf];
     if (IS_NIBBLE_32(qtype)) {
         const int low = (blk[NIBBLES_AT(qtype) + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf;
@@ -395,6 +420,8 @@ INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
         return ((load_lanes(v + 64 * (g / 4)) >> (2 * (g % 4))) & 0x03030303u) |
                (((load_lanes(v + 128) >> g) & 0x01010101u) << 2);
     }
+    if (qtype == QUANT_Q2_K)
+        return (load_lanes(blk + Q2_CODES + 128 * (j % 8) + 64 * (g / 4)) >> (2 * (g % 4))) & 0x03030303u;
     if (qtype == QUANT_IQ4_XS || qtype == QUANT_IQ4_NL) {  /* each index through the table */
         const int at = qtype == QUANT_IQ4_XS ? IQ4_CODES + 256 * (j % 8) : 32;
         const LaneWords v = (load_lanes(blk + at + 64 * (g % 4)) >> (g < 4 ? 0 : 4)) & 0x0f0f0f0fu;
@@ -429,10 +456,18 @@ INLINE void block_codes(int qtype, const uint8_t *blk, int j, LaneInts ct[QB]) {
     }
 }
 
-/* The K-quants' integer scales of 32-block j, per lane: Q4_K / Q5_K its scale and min, Q6_K each half's
- * scale (sc[0], sc[1]), IQ4_XS its scale. */
-INLINE void k_scales(int qtype, const uint8_t *blk, int j, LaneInts sc[2], LaneInts *mn) {
+/* The K-quants' integer scales of 32-block j, per lane: Q4_K / Q5_K its scale and min, Q6_K and Q3_K each
+ * half's scale (sc[0], sc[1]), Q2_K each half's scale and min, IQ4_XS its scale. */
+INLINE void k_scales(int qtype, const uint8_t *blk, int j, LaneInts sc[2], LaneInts mn[2]) {
     for (int lane = 0; lane < NR; lane++) {
+        if (qtype == QUANT_Q2_K) {
+            for (int hf = 0; hf < 2; hf++) {
+                int s, m;
+                q2_scale_min(blk, lane, 2 * (j % 8) + hf, &s, &m);
+                sc[hf][lane] = s, mn[hf][lane] = m;
+            }
+            continue;
+        }
         if (qtype == QUANT_Q6_K) {
             for (int hf = 0; hf < 2; hf++) sc[hf][lane] = (int8_t)q6_scales(blk, j, hf)[lane];
             continue;
@@ -449,7 +484,7 @@ INLINE void k_scales(int qtype, const uint8_t *blk, int j, LaneInts sc[2], LaneI
         for (int i = 0; i < 3; i++) memcpy(q + 4 * i, blk + 64 + 64 * i + 4 * lane, 4);
         int s, m;
         k4_scale_min(q, j % 8, &s, &m);
-        sc[0][lane] = s, (*mn)[lane] = m;
+        sc[0][lane] = s, mn[0][lane] = m;
     }
 }
 
@@ -474,20 +509,21 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
         for (int64_t m = 0; m < rows; m++) memset(out + m * ldo + z * NR, 0, NR * sizeof(float));
         for (int64_t j = 0; j < nb; j++) {
             const uint8_t *blk = panel_block(qtype, w, K, p0 + z, j);
-            LaneInts ct[QB], sc[2] = {{0}}, mn = {0};
+            LaneInts ct[QB], sc[2] = {{0}}, mn[2] = {{0}};
             block_codes(qtype, blk, (int)j, ct);
-            if (IS_K_QUANT(qtype)) k_scales(qtype, blk, (int)j, sc, &mn);
+            if (IS_K_QUANT(qtype)) k_scales(qtype, blk, (int)j, sc, mn);
             for (int64_t m = 0; m < rows; m++) {
                 const int8_t *xq = x->q + (m0 + m) * K + j * QB;
                 const int64_t xb = (m0 + m) * nb + j;
-                LaneInts sum = (LaneInts){0};
+                LaneInts sum = (LaneInts){0}, min_sum = (LaneInts){0};
                 for (int hf = 0; hf < halves; hf++) {
                     /* the formats without mins start at -o sum(q), so the sum is sum(w q) / a already (as
                      * VNNI's) */
                     const int32_t xs = halves == 2 ? x->s16[2 * xb + hf] : x->s[xb];
-                    LaneInts half = (LaneInts){0} + (HAS_MINS(qtype) ? 0 : -off * xs);
+                    LaneInts half = (LaneInts){0} + (HAS_KMIN(qtype) ? 0 : -off * xs);
                     for (int k = hf * span; k < (hf + 1) * span; k++) half += ct[k] * (int32_t)xq[k];
                     sum += IS_K_QUANT(qtype) ? half * sc[hf] : half;
+                    min_sum += mn[hf] * xs;
                 }
                 const float dx = x->d[X_SCALE_AT(qtype, x, m0 + m, j)];
                 LaneFloats y;
@@ -496,11 +532,11 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
                 if (HAS_BLOCK_MIN(qtype)) y += fp16_lanes(blk + 32) * (dx * (float)x->s[xb]);
                 else {
                     ksum[m] = (j % 8 ? ksum[m] : (LaneInts){0}) + sum;
-                    kmin[m] = (j % 8 ? kmin[m] : (LaneInts){0}) + mn * (int32_t)x->s[xb];
+                    kmin[m] = (j % 8 ? kmin[m] : (LaneInts){0}) + min_sum;
                 }
                 if (IS_K_QUANT(qtype) && j % 8 == 7) {
                     y += __builtin_convertvector(ksum[m], LaneFloats) * (fp16_lanes(blk) * dx);
-                    if (HAS_MINS(qtype))
+                    if (HAS_KMIN(qtype))
                         y -= __builtin_convertvector(kmin[m], LaneFloats) * (fp16_lanes(blk + 32) * dx);
                 }
                 memcpy(out + m * ldo + z * NR, &y, sizeof y);
@@ -524,6 +560,10 @@ INLINE __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m2
 INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return load256(blk + 32 + 64 * g + 32 * h);
+    if (qtype == QUANT_Q2_K) {
+        const __m256i v = load256(blk + Q2_CODES + 128 * j + 64 * (g / 4) + 32 * h);
+        return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (g % 4)), _mm256_set1_epi8(3));
+    }
     if (qtype == QUANT_Q3_K) {  /* the low bits, then the third as Q5_0's fifth */
         const uint8_t *v = blk + Q3_CODES + 192 * j + 32 * h;
         const __m256i lo =
@@ -602,6 +642,13 @@ INLINE __m256i q3_scale_half(const uint8_t *blk, int s, int h) {
     return _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
 }
 
+/* Q2_K: half h of sub-block s's scale and min, one per lane (q2_scale_min). */
+INLINE void q2_scale_min_half(const uint8_t *blk, int s, int h, __m256i *sc, __m256i *mn) {
+    const __m256i v = _mm256_srl_epi32(load256(blk + 64 + 64 * (s / 4) + 32 * h), _mm_cvtsi32_si128(8 * (s % 4)));
+    *sc = _mm256_and_si256(v, _mm256_set1_epi32(0xf));
+    *mn = _mm256_and_si256(_mm256_srli_epi32(v, 4), _mm256_set1_epi32(0xf));
+}
+
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* The code vectors whose vpmaddubsw pair sums (int16) can be added before one vpmaddwd widens them: a pair
@@ -610,7 +657,7 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
  * exact integers, so the bits are the same. */
 INLINE int pairs_per_widen(int qtype) {
     if (qtype == QUANT_Q4_0 || qtype == QUANT_Q4_1 || qtype == QUANT_Q4_K) return 8;
-    if (IS_FIFTH_32(qtype) || qtype == QUANT_Q5_K || qtype == QUANT_Q3_K) return 4;  /* Q3_K: its 4-vector halves */
+    if (IS_FIFTH_32(qtype) || qtype == QUANT_Q5_K || IS_LOW2(qtype)) return 4;  /* Q3_K, Q2_K: 4-vector halves */
     return qtype == QUANT_Q6_K ? 2 : 1;
 }
 
@@ -642,9 +689,12 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             const uint8_t *ahead = panel_block(qtype, w, K, p, 0) + (j + PREFETCH_J2) * step;
             for (int64_t b = 0; b < step; b += 64) _mm_prefetch((const char *)ahead + b, _MM_HINT_T0);
         }
-        __m256i sc[2][2], mn[2];  /* the K-quants' scales per half of the lanes ([hf][h]; Q4_K, Q5_K: hf 0), mins */
+        /* the K-quants' scales and mins per half of the lanes ([hf][h]; Q4_K, Q5_K: hf 0) */
+        __m256i sc[2][2], mn[2][2];
         for (int h = 0; h < 2; h++) {
-            if (HAS_MINS(qtype)) k4_scale_min_half(blk, jj, h, &sc[0][h], &mn[h]);
+            if (HAS_MINS(qtype)) k4_scale_min_half(blk, jj, h, &sc[0][h], &mn[0][h]);
+            if (qtype == QUANT_Q2_K)
+                for (int hf = 0; hf < 2; hf++) q2_scale_min_half(blk, 2 * jj + hf, h, &sc[hf][h], &mn[hf][h]);
             if (qtype == QUANT_IQ4_XS) sc[0][h] = iq4_scale_half(blk, jj, h);
             if (qtype == QUANT_Q3_K)
                 for (int hf = 0; hf < 2; hf++) sc[hf][h] = q3_scale_half(blk, 2 * jj + hf, h);
@@ -695,11 +745,13 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 4
             for (int m = 0; m < mr; m++)
                 for (int h = 0; h < 2; h++) {
-                    const __m256i xs = _mm256_set1_epi32(x->s[(m0 + m) * nb + j]);
+                    const int64_t xb = (m0 + m) * nb + j;
                     ksum[m][h] = jj == 0 ? sum[m][h] : _mm256_add_epi32(ksum[m][h], sum[m][h]);
-                    if (HAS_MINS(qtype))
-                        kmin[m][h] = _mm256_add_epi32(jj == 0 ? _mm256_setzero_si256() : kmin[m][h],
-                                                      _mm256_mullo_epi32(mn[h], xs));
+                    if (!HAS_KMIN(qtype)) continue;
+                    if (jj == 0) kmin[m][h] = _mm256_setzero_si256();
+                    for (int hf = 0; hf < halves; hf++)  /* Q2_K: a min per half, times x's 16-block sum */
+                        kmin[m][h] = _mm256_add_epi32(kmin[m][h], _mm256_mullo_epi32(mn[hf][h], _mm256_set1_epi32(
+                                                          halves == 2 ? x->s16[2 * xb + hf] : x->s[xb])));
                 }
             if (jj < 7) continue;
         }
@@ -711,7 +763,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                 const __m256 dx = _mm256_set1_ps(x->d[X_SCALE_AT(qtype, x, m0 + m, j)]);
                 const __m256 s = _mm256_cvtepi32_ps(IS_K_QUANT(qtype) ? ksum[m][h] : sum[m][h]);
                 acc[m][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(a, dx), acc[m][h]);
-                if (HAS_MINS(qtype))
+                if (HAS_KMIN(qtype))
                     acc[m][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(kmin[m][h]), _mm256_mul_ps(dmin, dx), acc[m][h]);
                 if (HAS_BLOCK_MIN(qtype))  /* dmin: the block's m here */
                     acc[m][h] = _mm256_fmadd_ps(
@@ -770,6 +822,10 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
         const __mmask64 third = _mm512_test_epi8_mask(_mm512_loadu_si512(v + 128), _mm512_set1_epi8((char)(1 << g)));
         return _mm512_mask_add_epi8(lo, third, lo, _mm512_set1_epi8(4));
     }
+    if (qtype == QUANT_Q2_K)  /* Q3_K's low bits alone */
+        return _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(blk + Q2_CODES + 128 * j + 64 * (g / 4)),
+                                                 _mm_cvtsi32_si128(2 * (g % 4))),
+                                _mm512_set1_epi8(3));
     if (qtype == QUANT_IQ4_XS || qtype == QUANT_IQ4_NL) {  /* the indices through the table, a byte shuffle per 16 */
         const __m512i v =
             _mm512_loadu_si512(blk + (qtype == QUANT_IQ4_XS ? IQ4_CODES + 256 * j : 32) + 64 * (g % 4));
@@ -871,6 +927,30 @@ INLINE void q3_unpack(const uint8_t *blk, __m512i sc[16]) {
         sc[s] = _mm512_srai_epi32(_mm512_slli_epi32(_mm512_sub_epi8(w[s / 4], bias), 24 - 8 * (s % 4)), 24);
 }
 
+/* Q2_K: a 256-block's 16 sub-block scales (q2_scale_min), a vector each, from its 4 vectors of scale bytes. */
+INLINE void q2_unpack(const uint8_t *blk, __m512i sc[16]) {
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; s++)
+        sc[s] = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(blk + 64 + 64 * (s / 4)), 8 * (s % 4)),
+                                 _mm512_set1_epi32(0xf));
+}
+
+/* Q2_K: sum over a 256-block's 16 sub-blocks i of min_i sum(q of sub-block i), per lane, as integers: its
+ * mins (a vector of 4 per lane, 4 bytes of scale byte >> 4) as 16-bit pairs, as k4_min_sum's, times x's
+ * pairs of 16-block sums (bs: the block's 16). */
+INLINE __m512i q2_min_sum(const __m512i mins[4], const int16_t *bs) {
+    const __m512i pair[2] = {_mm512_set4_epi32((int)0x800d800c, (int)0x80098008, (int)0x80058004, (int)0x80018000),
+                             _mm512_set4_epi32((int)0x800f800e, (int)0x800b800a, (int)0x80078006, (int)0x80038002)};
+    __m512i sum = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++) {
+        int32_t xs;
+        memcpy(&xs, bs + 2 * p, 4);
+        sum = _mm512_dpwssd_epi32(sum, _mm512_shuffle_epi8(mins[p / 2], pair[p % 2]), _mm512_set1_epi32(xs));
+    }
+    return sum;
+}
+
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* The bytes the NZ panel streams will read PREFETCH_J 32-blocks from now, into L1: a micro-tile that reads
@@ -940,18 +1020,21 @@ INLINE void k_block_end(int qtype, const QuantRows *x, int64_t m0, int mr, const
     for (int z = 0; z < nz; z++) {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z]));
         __m512 dmin = _mm512_setzero_ps();
-        __m512i mins[2];
-        if (HAS_MINS(qtype)) {
-            dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[z] + 32)));
-            k4_unpack(blk[z], 1, mins);
-        }
+        __m512i mins[4];  /* Q4_K, Q5_K: k4_unpack's 2; Q2_K: 4 vectors of 4 mins a lane */
+        if (HAS_KMIN(qtype)) dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[z] + 32)));
+        if (HAS_MINS(qtype)) k4_unpack(blk[z], 1, mins);
+        if (qtype == QUANT_Q2_K)
+            for (int t = 0; t < 4; t++)
+                mins[t] = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(blk[z] + 64 + 64 * t), 4),
+                                           _mm512_set1_epi8(0x0f));
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
             const __m512 dx = _mm512_set1_ps(x->d[X_SCALE_AT(qtype, x, m0 + m, j)]);
             float *y = out + m * ldo + z * NR;
             __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ksum[m * NZ + z]), _mm512_mul_ps(d, dx), _mm512_loadu_ps(y));
-            if (HAS_MINS(qtype)) {
-                const __m512i ms = k4_min_sum(mins, x->s + (m0 + m) * (x->K / QB) + j - 7);
+            if (HAS_KMIN(qtype)) {
+                const __m512i ms = HAS_MINS(qtype) ? k4_min_sum(mins, x->s + (m0 + m) * (x->K / QB) + j - 7)
+                                                   : q2_min_sum(mins, x->s16 + (m0 + m) * (x->K / 16) + 2 * (j - 7));
                 v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dmin, dx), v);
             }
             _mm512_storeu_ps(y, v);
@@ -981,9 +1064,9 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
     const int per = IS_K_QUANT(qtype) ? KB / QB : 1;
     for (int64_t j0 = 0; j0 < nb; j0 += per) {
         __m512i ksum[MR_WIDE * NZ];  /* K-quants: the 256-block's integer sums so far, each times its scale */
-        /* Q4_K, Q5_K, IQ4_XS, Q3_K: the 256-block's scales, a vector per sub-block, in memory (indexed at run
+        /* Q4_K, Q5_K, IQ4_XS, Q3_K, Q2_K: the 256-block's scales, a vector per sub-block, in memory (indexed at run
          * time): in registers beside ksum they would spill a 4 x 3 tile's sums */
-        __m512i kscale[NZ][16];  /* Q3_K: 16, one per 16-weight sub-block */
+        __m512i kscale[NZ][16];  /* Q3_K, Q2_K: 16, one per 16-weight sub-block */
         if (IS_K_QUANT(qtype))
             for (int i = 0; i < mr * NZ; i++) ksum[i] = _mm512_setzero_si512();
         if (HAS_MINS(qtype))
@@ -1000,6 +1083,9 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         if (qtype == QUANT_Q3_K)
 #pragma GCC unroll 4
             for (int z = 0; z < nz; z++) q3_unpack(panel_block(qtype, w, K, p0 + z, j0), kscale[z]);
+        if (qtype == QUANT_Q2_K)
+#pragma GCC unroll 4
+            for (int z = 0; z < nz; z++) q2_unpack(panel_block(qtype, w, K, p0 + z, j0), kscale[z]);
         for (int64_t j = j0; j < j0 + per; j++) {
             const int jj = (int)(j - j0);  /* a K-quant's sub-block */
             const uint8_t *blk[NZ];
@@ -1016,7 +1102,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                 for (int m = 0; m < mr; m++) {
                     /* the formats without mins start at -o sum(q), so the integer sum is sum(w q) / a already */
                     const int64_t xb = (m0 + m) * nb + j;
-                    const int32_t start = HAS_MINS(qtype) ? 0 : -(int32_t)off * (halves == 2 ? x->s16[2 * xb + hf]
+                    const int32_t start = HAS_KMIN(qtype) ? 0 : -(int32_t)off * (halves == 2 ? x->s16[2 * xb + hf]
                                                                                                   : x->s[xb]);
 #pragma GCC unroll 4
                     for (int z = 0; z < nz; z++) half[m * NZ + z] = _mm512_set1_epi32(start);
@@ -1045,7 +1131,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 4
                 for (int z = 0; z < nz; z++) {  /* the K-quants: times the sub-block's scale (Numerics) */
                     const __m512i sc = !IS_K_QUANT(qtype) ? _mm512_setzero_si512()
-                                       : HAS_KSCALE(qtype) ? kscale[z][qtype == QUANT_Q3_K ? 2 * jj + hf : jj]
+                                       : HAS_KSCALE(qtype) ? kscale[z][IS_LOW2(qtype) ? 2 * jj + hf : jj]
                                        : _mm512_cvtepi8_epi32(
                                              _mm_loadu_si128((const __m128i *)q6_scales(blk[z], j, hf)));
 #pragma GCC unroll 8
@@ -1183,7 +1269,7 @@ static int single_stream_rows = 0;
 void gemm_quant_set_single_stream(int max_rows) { single_stream_rows = max_rows; }
 
 static int check_shape(int qtype, int64_t N, int64_t K) {
-    return qtype >= 0 && qtype <= QUANT_Q3_K && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
+    return qtype >= 0 && qtype <= QUANT_Q2_K && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
 }
 
 /* A task's rows of y (rows ldy apart, from column col0, width wide) in y's dtype, from tmp's fp32 (bf16 y)
@@ -1247,7 +1333,7 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
  * time: src[from + u unit ..] of lane l goes to dst[to + (16 u + l) unit ..]. */
 typedef struct { int from, to, bytes, unit; } Piece;
 
-static const Piece PIECES[11][5] = {
+static const Piece PIECES[12][5] = {
     {{0, 0, 2, 2}, {2, 32, 32, 4}},                                    /* Q8_0: d | codes */
     {{0, 0, 2, 2}, {2, 32, 16, 4}},                                    /* Q4_0: d | qs */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
@@ -1259,19 +1345,20 @@ static const Piece PIECES[11][5] = {
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 4, 4}},                      /* IQ4_XS: d | scales (qs: below) */
     {{0, 0, 2, 2}, {2, 32, 16, 4}, {18, 288, 2, 2}, {20, 320, 16, 4}}, /* IQ4_NL: d | qs, twice */
     {{108, 0, 2, 2}, {96, 32, 12, 4}},                                 /* Q3_K: d | scales (codes: below) */
+    {{80, 0, 2, 2}, {82, 32, 2, 2}, {0, 64, 16, 4}},                   /* Q2_K: d | dmin | scales (codes: below) */
 };
 
-/* Q3_K's 256 codes of row lane (GGUF: hmask[32] | qs[64] | scales[12] | d; K 128 n + 32 i + l (l < 32) has
- * its low 2 bits at bit 2 i of qs[32 n + l] and its third at bit 4 n + i of hmask[l]) -> the packed vectors
- * (into a zeroed dst). */
-static void pack_q3_k_codes(const uint8_t *src, int lane, uint8_t *dst) {
+/* Q3_K's and Q2_K's 256 codes of row lane (GGUF: Q3_K hmask[32] | qs[64] | scales[12] | d, Q2_K scales[16] |
+ * qs[64] | d | dmin; K 128 n + 32 i + l (l < 32) has its low 2 bits at bit 2 i of qs[32 n + l], Q3_K its
+ * third at bit 4 n + i of hmask[l]) -> the packed vectors (into a zeroed dst). */
+static void pack_low2_codes(int qtype, const uint8_t *src, int lane, uint8_t *dst) {
+    const uint8_t *qs = src + (qtype == QUANT_Q3_K ? 32 : 16);
     for (int k = 0; k < 256; k++) {
         const int n = k / 128, i = k % 128 / 32, l = k % 32;
-        const int low = (src[32 + 32 * n + l] >> (2 * i)) & 3, third = (src[l] >> (4 * n + i)) & 1;
-        const int g = k % 32 / 4, t = k % 4;
-        uint8_t *v = dst + Q3_CODES + 192 * (k / 32);
+        const int low = (qs[32 * n + l] >> (2 * i)) & 3, g = k % 32 / 4, t = k % 4;
+        uint8_t *v = dst + (qtype == QUANT_Q3_K ? Q3_CODES + 192 * (k / 32) : Q2_CODES + 128 * (k / 32));
         v[64 * (g / 4) + 4 * lane + t] |= (uint8_t)(low << (2 * (g % 4)));
-        v[128 + 4 * lane + t] |= (uint8_t)(third << g);
+        if (qtype == QUANT_Q3_K) v[128 + 4 * lane + t] |= (uint8_t)(((src[l] >> (4 * n + i)) & 1) << g);
     }
 }
 
@@ -1318,7 +1405,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
     for (int64_t p = 0; p < N / NR; p++)
         for (int64_t j = 0; j < nb; j++) {
             uint8_t *dst = (uint8_t *)out + (p * nb + j) * PANEL_BYTES[qtype];
-            if (qtype == QUANT_Q6_K || qtype == QUANT_Q3_K)  /* their code packers OR bits in */
+            if (qtype == QUANT_Q6_K || IS_LOW2(qtype))  /* their code packers OR bits in */
                 memset(dst, 0, (size_t)PANEL_BYTES[qtype]);
             for (int l = 0; l < NR; l++) {
                 const uint8_t *src = (const uint8_t *)blocks + ((p * NR + l) * nb + j) * bb;
@@ -1331,7 +1418,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
                     pack_high_bits(src + (HAS_BLOCK_MIN(qtype) ? 4 : 2), l, dst + FIFTH_AT(qtype));
                 if (qtype == QUANT_Q6_K) pack_q6_k_codes(src, l, dst);
                 if (qtype == QUANT_IQ4_XS) pack_iq4_xs_codes(src, l, dst);
-                if (qtype == QUANT_Q3_K) pack_q3_k_codes(src, l, dst);
+                if (IS_LOW2(qtype)) pack_low2_codes(qtype, src, l, dst);
             }
             if (qtype == QUANT_Q8_0) /* int8 -> code + 128: the kernel's unsigned operand */
                 for (int i = 32; i < PANEL_BYTES[qtype]; i++) dst[i] ^= 0x80;
