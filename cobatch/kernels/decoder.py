@@ -137,10 +137,16 @@ class NativeDecoder:
         return None if lib is None else cls(weights, lib)
 
     def with_timers(self) -> NativeDecoder | None:
-        """A twin on the library built with -DKERNEL_TIMERS (its own cached build): the same kernels and
-        bits, plus each kernel's wall time (take_kernel_seconds). None where that build fails."""
+        """A twin on the library built with -DKERNEL_TIMERS (its own cached build): the same kernels, bits
+        and quantized GEMM modes (chosen on the engine's build), plus each kernel's wall time
+        (take_kernel_seconds). None where that build fails."""
         lib = load_kernels(timers=True)
-        return None if lib is None else NativeDecoder(self._weights, lib)
+        if lib is None:
+            return None
+        quant = native_quant_gemm()
+        if quant is not None:
+            quant.copy_modes_to(lib)
+        return NativeDecoder(self._weights, lib)
 
     def take_kernel_seconds(self) -> dict[str, float]:
         """Seconds per kernel (KERNEL_TIMERS), summed over layers and calls since the last take, which

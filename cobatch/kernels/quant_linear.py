@@ -105,11 +105,35 @@ class QuantGemm:
     """The library's quantized entry points on torch tensors."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
         self._fn, self._rows, self._pack = lib.gemm_quant, lib.quant_rows, lib.quant_pack
-        self.set_single_stream = lib.gemm_quant_set_single_stream  # (max_rows): gemm_quant.c says what
-        self.set_single_prefetch = lib.gemm_quant_set_single_prefetch  # (0 none, 1 into L1, 2 into L2): the same
-        self.set_wide_tiles = lib.gemm_quant_set_wide_tiles  # (on): the same
         self.path = lib.gemm_quant_path()  # VNNI_PATH, 1 AVX2, 0 plain C
+        self._modes: dict[tuple[str, int | None], int] = {}  # the speed choices made, in order (copy_modes_to)
+
+    def set_single_stream(self, max_rows: int, qtype: int | None = None) -> None:
+        """Single-stream mode for calls of at most max_rows rows (0: off), in every format or one
+        (gemm_quant.c says what)."""
+        self._set_mode("gemm_quant_set_single_stream", qtype, max_rows)
+
+    def set_single_prefetch(self, level: int, qtype: int | None = None) -> None:
+        """Single-stream mode's software prefetch: 0 none, 1 into L1, 2 into L2; every format or one."""
+        self._set_mode("gemm_quant_set_single_prefetch", qtype, level)
+
+    def set_wide_tiles(self, on: int) -> None:
+        """The VNNI path's 8-row micro-tiles (1) or 4-row ones (0)."""
+        self._set_mode("gemm_quant_set_wide_tiles", None, on)
+
+    def copy_modes_to(self, lib: ctypes.CDLL) -> None:
+        """Make the speed choices made here in another build of the library (KERNEL_TIMERS' twin): each
+        build keeps its own."""
+        for (entry, qtype), value in self._modes.items():
+            _apply_mode(lib, entry, qtype, value)
+
+    def _set_mode(self, entry: str, qtype: int | None, value: int) -> None:
+        if qtype is None:  # every format: it replaces the per-format choices made before
+            self._modes = {key: v for key, v in self._modes.items() if key[0] != entry}
+        self._modes[(entry, qtype)] = value
+        _apply_mode(self._lib, entry, qtype, value)
 
     def pack(self, blocks: torch.Tensor) -> torch.Tensor:
         """GGUF blocks [N, nb, block_bytes] -> packed [N / 16, nb, 16 block_bytes] (pack_blocks)."""
@@ -157,6 +181,13 @@ def _check_operands(x: torch.Tensor, bias: torch.Tensor | None, n: int, k: int) 
         raise ValueError(f"quantized linear takes a bias [{n}] in the input's dtype")
 
 
+def _apply_mode(lib: ctypes.CDLL, entry: str, qtype: int | None, value: int) -> None:
+    if qtype is None:
+        getattr(lib, entry)(value)
+    else:
+        getattr(lib, f"{entry}_for")(qtype, value)
+
+
 @lru_cache(maxsize=1)
 def native_quant_gemm() -> QuantGemm | None:
     """The kernel (AVX-512 VNNI, AVX2 or plain C, as the CPU has); None when native code is off or unbuilt."""
@@ -178,28 +209,35 @@ def quantized_rows(ids: torch.Tensor, packed: torch.Tensor, dtype: torch.dtype) 
     return kernel.rows(ids, packed, dtype)
 
 
-def tune_single_stream(weights: Sequence[torch.Tensor], rounds: int = 5) -> bool:
-    """Turn gemm_quant's single-stream mode on where it is faster on these packed weights: one row (a
-    one-stream decode) through every matrix in turn, as a decode step streams them from memory; on the VNNI
-    path with its software prefetch (into L1 or L2) or with the hardware prefetcher alone. Which a CPU's
-    prefetchers prefer differs between CPUs and formats; the results' bits do not. Returns whether the mode
-    is on."""
+def tune_single_stream(weights: Sequence[torch.Tensor], rounds: int = 5) -> set[str]:
+    """Turn gemm_quant's single-stream mode on where it is faster on these packed weights, format by format:
+    one row (a one-stream decode) through each format's matrices in turn, as a decode step streams them from
+    memory; on the VNNI path with its software prefetch (into L1 or L2) or with the hardware prefetcher
+    alone. Which a CPU's prefetchers prefer differs between CPUs and formats (a Zen 4 streamed Q8_0 fastest
+    without software prefetch and Q2_K / Q3_K fastest with it into L2); the results' bits do not. Returns
+    the formats it is on for."""
     kernel = native_quant_gemm()
-    if kernel is None or not weights:
-        return False
+    if kernel is None:
+        return set()
+    by_format: dict[QuantFormat, list[torch.Tensor]] = {}
+    for w in weights:
+        by_format.setdefault(quant_type(w), []).append(w)
+    on = set()
+    for fmt, group in by_format.items():
+        def mode(max_rows: int, prefetch: int, qtype: int = fmt.qtype) -> Callable[[], None]:
+            def apply() -> None:
+                kernel.set_single_stream(max_rows, qtype)
+                kernel.set_single_prefetch(prefetch, qtype)
+            return apply
 
-    def mode(max_rows: int, prefetch: int) -> Callable[[], None]:
-        def apply() -> None:
-            kernel.set_single_stream(max_rows)
-            kernel.set_single_prefetch(prefetch)
-        return apply
-
-    modes = {"off": mode(0, 1), "on": mode(SINGLE_STREAM_ROWS, 1)}
-    if kernel.path == VNNI_PATH:
-        modes["on without software prefetch"] = mode(SINGLE_STREAM_ROWS, 0)
-        modes["on, prefetching into L2"] = mode(SINGLE_STREAM_ROWS, 2)
-    name = f"single-stream mode (up to {SINGLE_STREAM_ROWS} rows)"
-    return _keep_fastest(kernel, modes, weights, 1, rounds, name) != "off"
+        modes = {"off": mode(0, 1), "on": mode(SINGLE_STREAM_ROWS, 1)}
+        if kernel.path == VNNI_PATH:
+            modes["on without software prefetch"] = mode(SINGLE_STREAM_ROWS, 0)
+            modes["on, prefetching into L2"] = mode(SINGLE_STREAM_ROWS, 2)
+        name = f"{fmt.name} single-stream mode (up to {SINGLE_STREAM_ROWS} rows)"
+        if _keep_fastest(kernel, modes, group, 1, rounds, name) != "off":
+            on.add(fmt.name)
+    return on
 
 
 def tune_wide_tiles(weights: Sequence[torch.Tensor], rounds: int = 3) -> bool:

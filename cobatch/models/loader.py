@@ -6,10 +6,12 @@ format the quantized kernel serves (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5
 kernels/quant_linear.py) stays as its blocks, a uint8 [N, K / block, block_bytes] tensor, and the model
 keeps it packed, never dense (so the Q6_K lm_head, attn_v and ffn_down of llama-quantize's Q4_K_M mix stay
 Q6_K, and the Q5_1 matrices its Q5_K_M puts where K is no multiple of 256 stay Q5_1). In a file mostly in
-those formats, a matrix in another quantized type becomes Q8_0, requantized from the dequantized values of
-the IQ2 / IQ3 types and the rest (exactly from an IQ4_NL matrix whose K is no multiple of 64), and so
-does a fused projection whose parts differ in format (exactly from Q4_0, Q5_0 and IQ4_NL parts): dense fp32
-copies of them would hold 4-5x their bytes and be streamed every step. Other files are
+those formats (or in IQ3_XXS / IQ3_S), a matrix in another quantized type becomes blocks of a served one
+(models/requantize.py): Q6_K holding an IQ3_XXS or IQ3_S matrix's values exactly, else Q8_0, requantized
+from the dequantized values of the IQ2 / IQ1 types and the rest (exactly from an IQ4_NL matrix whose K is
+no multiple of 64), and so does a fused projection whose parts differ in format (exactly from Q4_0, Q5_0
+and IQ4_NL parts): dense fp32 copies of them would hold 4-5x their bytes and be streamed every step. Other
+files are
 dequantized with `gguf`, and so is the bundled model (model_paths.is_bundled_model): it is the project's
 reference, served dense as its figures and its token-for-token match with HF transformers are, and is
 Q4_1 only because that is how its package ships it. `quantization` ("q8_0" | "q4_0") quantizes the dense
@@ -37,6 +39,7 @@ from cobatch.kernels.linear import can_pack
 from cobatch.kernels.quant_linear import FORMATS, QuantFormat, can_pack_blocks, is_quantized, pack_blocks
 from cobatch.models.llama import LlamaForCausalLM
 from cobatch.models import quantization as quant
+from cobatch.models import requantize
 from cobatch.models.model_config import ModelConfig, RopeScaling
 from cobatch.model_paths import is_bundled_model, is_gguf, resolve_model_path
 
@@ -194,7 +197,7 @@ def _as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     if fmt is not None and fmt.name == "q8_0":
         return blocks
     data = blocks.reshape(blocks.shape[0], -1).numpy()
-    return quant.to_q8_0(data, quant.GGUF_TYPES[fmt.name])  # type: ignore[union-attr]
+    return requantize.to_q8_0(data, quant.GGUF_TYPES[fmt.name])  # type: ignore[union-attr]
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
@@ -264,20 +267,21 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
 
 
 def _mostly_served(tensors: list) -> bool:
-    """Whether most of a file's matrix bytes are in types the quantized kernel serves. A file mostly in
-    other types (IQ2 / IQ3 ...) is served dense: requantizing most of it to Q8_0 would hold more bytes
-    than the file and change the numerics of all of it."""
+    """Whether most of a file's matrix bytes are in types the quantized kernel serves, or converts to one
+    exactly (IQ3_XXS, IQ3_S: requantize.py). A file mostly in other types (IQ2 / IQ1 ...) is served dense:
+    requantizing most of it to Q8_0 would change the numerics of all of it."""
     matrices = [t for t in tensors if len(t.shape) == 2]
-    served = sum(int(t.n_bytes) for t in matrices if quant.format_of(t.tensor_type) is not None)
+    served = sum(int(t.n_bytes) for t in matrices
+                 if quant.format_of(t.tensor_type) is not None or t.tensor_type in requantize.EXACT_IN_Q6_K)
     return served * 2 > sum(int(t.n_bytes) for t in matrices)
 
 
 def _gguf_tensor(t: object, dtype: torch.dtype, keep_blocks: bool) -> torch.Tensor:
     """A GGUF tensor as GGUF blocks [N, K / block, block_bytes] (uint8, copied out of the file's mapping)
-    where keep_blocks and the quantized kernel serves its type, as Q8_0 blocks where keep_blocks and it
-    is a matrix of another quantized type, or of IQ4_NL with K no multiple of its 64-weight unit
-    (quantization.to_q8_0); a BF16 one as bf16 (build_model keeps or converts it: weight-only bf16); else
-    dequantized into `dtype`."""
+    where keep_blocks and the quantized kernel serves its type, as blocks of a served type where keep_blocks
+    and it is a matrix of another quantized type, or of IQ4_NL with K no multiple of its 64-weight unit
+    (requantize.to_served: Q6_K exactly from IQ3_XXS / IQ3_S, else Q8_0); a BF16 one as bf16 (build_model
+    keeps or converts it: weight-only bf16); else dequantized into `dtype`."""
     import gguf
 
     fmt = quant.format_of(t.tensor_type) if keep_blocks else None  # type: ignore[attr-defined]
@@ -287,7 +291,7 @@ def _gguf_tensor(t: object, dtype: torch.dtype, keep_blocks: bool) -> torch.Tens
     if t.tensor_type == gguf.GGMLQuantizationType.BF16:  # type: ignore[attr-defined]
         return torch.from_numpy(np.array(t.data)).view(torch.bfloat16)  # type: ignore[attr-defined]  # its bits
     if keep_blocks and t.data.ndim == 2 and t.tensor_type.name not in _DENSE_TYPES:  # type: ignore
-        return quant.to_q8_0(t.data, t.tensor_type)  # type: ignore[attr-defined]
+        return requantize.to_served(t.data, t.tensor_type)  # type: ignore[attr-defined]
     array = gguf.quants.dequantize(t.data, t.tensor_type)  # type: ignore[attr-defined]
     if not array.flags.writeable:  # memory-mapped F32 tensors: torch wants a writable buffer
         array = np.array(array)

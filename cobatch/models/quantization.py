@@ -60,35 +60,6 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(data)).view(weight.shape[0], -1, fmt.block_bytes)
 
 
-# Types whose every value a Q8_0 block holds exactly (same fp16 scale per 32 weights, integer codes
-# within int8): to_q8_0 converts their blocks losslessly (a fused projection of mixed formats; an IQ4_NL
-# matrix whose K is no multiple of the kernel's 64-weight unit).
-EXACT_IN_Q8_0 = frozenset((gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_0,
-                           gguf.GGMLQuantizationType.IQ4_NL))
-
-
-def to_q8_0(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """A GGUF matrix [N, row bytes] of any type -> Q8_0 blocks [N, K / 32, 34]: exact for Q4_0, Q5_0 and
-    IQ4_NL (d kept, code - offset or the table's value as the int8), else gguf-py's Q8_0 quantization of
-    its dequantized values (an error of at most half of each 32-block's max / 127)."""
-    if tensor_type not in EXACT_IN_Q8_0:
-        values = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, tensor_type)))
-        return quantize(values, "q8_0")
-    blocks = np.ascontiguousarray(data).reshape(data.shape[0], -1, gguf.GGML_QUANT_SIZES[tensor_type][1])
-    qs = blocks[..., -16:]
-    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int16)  # K 0..15, then 16..31
-    if tensor_type == gguf.GGMLQuantizationType.Q5_0:
-        qh = blocks[..., 2:6].copy().view("<u4")  # bit j: the fifth bit of code j
-        codes |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int16)
-        codes -= 16
-    elif tensor_type == gguf.GGMLQuantizationType.IQ4_NL:
-        codes = IQ4_VALUES[codes].astype(np.int16)
-    else:
-        codes -= 8
-    out = np.concatenate([blocks[..., :2], codes.astype(np.int8).view(np.uint8)], axis=-1)
-    return torch.from_numpy(np.ascontiguousarray(out))
-
-
 def dequantize(blocks: torch.Tensor, name: str) -> torch.Tensor:
     """GGUF blocks [N, nb, block_bytes] -> the dense [N, K] fp32 weight (gguf-py's dequantization)."""
     data = blocks.reshape(blocks.shape[0], -1).numpy()
@@ -119,13 +90,17 @@ def quantize_k_with_mins(values: np.ndarray, bits: int) -> np.ndarray:
 
 def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     """[N, K] fp32 (K % 256 == 0) -> Q6_K bytes [N, K / 256 * 210]."""
-    n, k = values.shape
-    d, sc, codes = _signed_sub_blocks(values, 32, 128)
-    sc = sc.astype(np.int8)
-    lo, hi = codes & 0xF, codes >> 4  # [n, sb, half, quarter, l]: GGUF's order of a super block's codes
+    return pack_q6_k(*_signed_sub_blocks(values, 32, 128))
+
+
+def pack_q6_k(d: np.ndarray, sc: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Q6_K's parts -> its bytes [N, K / 256 * 210]: d [n, sb] fp16, the 16 sub-block scales [n, sb, 16]
+    (-128..127), the codes + 32 [n, sb, half, quarter, l] (uint8 0..63: GGUF's order of a super block's)."""
+    n, blocks = d.shape
+    lo, hi = codes & 0xF, codes >> 4
     ql = np.concatenate([lo[..., 0, :] | (lo[..., 2, :] << 4), lo[..., 1, :] | (lo[..., 3, :] << 4)], axis=-1)
     qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
-    out = np.concatenate([ql.reshape(n, k // 256, 128), qh.reshape(n, k // 256, 64), sc.view(np.uint8),
+    out = np.concatenate([ql.reshape(n, blocks, 128), qh.reshape(n, blocks, 64), sc.astype(np.int8).view(np.uint8),
                           d[..., None].view(np.uint8)], axis=-1)
     return out.reshape(n, -1)
 

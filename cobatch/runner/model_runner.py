@@ -49,7 +49,7 @@ class ModelRunner:
         if param.device.type == "cpu" and model.pack_linear_weights():  # bf16 and fp32 (kernels/linear.py)
             release_freed_heap()  # the unpacked copies (the native GEMM's layout: kernels/linear.py)
         quantized = [p for p in model.parameters() if is_quantized(p)]
-        tune_single_stream(quantized)  # this CPU's faster modes for one stream and for a batch
+        tune_single_stream(quantized)  # this CPU's faster modes for one stream (per format) and for a batch
         tune_wide_tiles(quantized)
         self.model, self.model_config = model, model_config
         # The layer loop in C where it can run (packed or quantized weights); profiled steps keep the Python loop.

@@ -173,15 +173,18 @@ int decoder_forward(const Shape *s, const Layer *layers, int num_layers, const v
 /* qtype of the quantized entry points; the packed layouts are gemm_quant.c's (kernels/quant_linear.py). */
 enum { QUANT_Q8_0 = 0, QUANT_Q4_0 = 1, QUANT_Q4_K = 2, QUANT_Q5_0 = 3, QUANT_Q6_K = 4, QUANT_Q5_K = 5, QUANT_Q4_1 = 6,
        QUANT_Q5_1 = 7, QUANT_IQ4_XS = 8, QUANT_IQ4_NL = 9, QUANT_Q3_K = 10,
-       QUANT_Q2_K = 11 };
+       QUANT_Q2_K = 11, QUANT_NUM_TYPES = 12 };
 
 /* The path built: 2 AVX-512 VNNI, 1 AVX2, 0 plain C on vectors (the same arithmetic on the same layout). */
 int gemm_quant_path(void);
-/* Calls of at most max_rows rows stream one panel per task (0: never; a speed choice). */
+/* Calls of at most max_rows rows stream one panel per task (0: never; a speed choice), in every format or
+ * in one (_for). */
 void gemm_quant_set_single_stream(int max_rows);
+void gemm_quant_set_single_stream_for(int qtype, int max_rows);
 /* VNNI path: single-stream mode prefetches its stream ahead into L1 (1, the default) or into L2 (2), or
- * leaves it to the hardware prefetcher (0); a speed choice. */
+ * leaves it to the hardware prefetcher (0); a speed choice, in every format or in one (_for). */
 void gemm_quant_set_single_prefetch(int level);
+void gemm_quant_set_single_prefetch_for(int qtype, int level);
 /* VNNI path: micro-tiles of 8 rows instead of 4 for Q8_0 / Q4_0 / Q5_0 (1: on, 0: off; a speed choice). */
 void gemm_quant_set_wide_tiles(int on);
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL), W packed from GGUF blocks; x, bias, y fp32 or bf16. */

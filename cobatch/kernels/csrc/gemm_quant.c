@@ -72,10 +72,13 @@
  * run of them (at decode sizes: its part of the weight, streamed in order). A micro-tile of MR rows x NZ
  * panels keeps 2 MR NZ vectors (the block's integer sums and the fp32 results) in registers. A task's first
  * micro-tile reads its panels from memory, the others from L2, and those bring the next task's panels
- * into L2 as they go (ahead_slice). Calls of one or two rows can instead take one panel per task, one stream per thread
- * (single-stream mode; the VNNI path prefetches it further ahead), and the VNNI path micro-tiles of 8
- * rows with the fp32 results in L1 (wide tiles); both are chosen per CPU at load
- * (gemm_quant_set_single_stream, gemm_quant_set_wide_tiles).
+ * into L2 as they go (ahead_slice). Calls of one or two rows can instead take one panel per task, one stream
+ * per thread (single-stream mode; the VNNI path prefetches it further ahead, or not), chosen per CPU and
+ * format at load (gemm_quant_set_single_stream_for), and the VNNI path micro-tiles of 8 rows with the fp32
+ * results in L1 (wide tiles), chosen per CPU (gemm_quant_set_wide_tiles). A task's panels decoded once into
+ * a buffer for all its micro-tiles to load ran slower than decoding them in each (a Zen 4, 1 thread,
+ * 2048 x 8192 at 16 rows: Q4_0 0.85x, Q4_K 0.67x, IQ4_XS and Q3_K even): twice the bytes from L2 a code
+ * vector.
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
  * row's result does not depend on M, the tiling or the thread count. Q6_K's two half sums are multiplied by
@@ -128,9 +131,9 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* Bytes of one panel block and weights per format block. */
-static const int64_t PANEL_BYTES[12] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176, NR * 20, NR * 24,
-                                        NR * 136, NR * 36, NR * 110, NR * 84};
-static const int64_t BLOCK_K[12] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256, 256};
+static const int64_t PANEL_BYTES[QUANT_NUM_TYPES] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176,
+                                                     NR * 20, NR * 24, NR * 136, NR * 36, NR * 110, NR * 84};
+static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256, 256};
 /* Every format, for the per-format tile copies (QTILE_FN) and their table by qtype: X(name, qtype). */
 #define QUANT_FORMATS(X)                                                                                     \
     X(tile_q8_0, QUANT_Q8_0) X(tile_q4_0, QUANT_Q4_0) X(tile_q4_k, QUANT_Q4_K) X(tile_q5_0, QUANT_Q5_0)      \
@@ -980,16 +983,20 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
 #ifndef SINGLE_PREFETCH_BYTES
 #define SINGLE_PREFETCH_BYTES 12288
 #endif
-static int single_prefetch = 1;
+static int single_prefetch[QUANT_NUM_TYPES] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+_Static_assert(QUANT_NUM_TYPES == 12, "single_prefetch starts at 1 for each format");
 
-void gemm_quant_set_single_prefetch(int level) { single_prefetch = level; }
+void gemm_quant_set_single_prefetch_for(int qtype, int level) {
+    if (qtype >= 0 && qtype < QUANT_NUM_TYPES) single_prefetch[qtype] = level;
+}
 
 /* How far ahead a task's first micro-tile prefetches, in 32-blocks (0: not at all; negative: -that far,
  * into L2 rather than L1). */
 static int prefetch_blocks(int qtype, int single) {
     const int64_t step = PANEL_BYTES[qtype] * QB / BLOCK_K[qtype];  /* a 32-block's bytes */
     const int distance = (int)(SINGLE_PREFETCH_BYTES / step);
-    return !single ? PREFETCH_J : single_prefetch == 2 ? -distance : single_prefetch ? distance : 0;
+    const int level = single_prefetch[qtype];
+    return !single ? PREFETCH_J : level == 2 ? -distance : level ? distance : 0;
 }
 
 INLINE void prefetch_ahead(int qtype, const uint8_t *const *blk, int nz, int64_t j, int distance) {
@@ -1251,7 +1258,8 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 
 #if !QUANT_VNNI
 void gemm_quant_set_wide_tiles(int on) { (void)on; }  /* the VNNI path's modes; the others have one tile */
-void gemm_quant_set_single_prefetch(int level) { (void)level; }  /* and prefetch nothing in single-stream mode */
+/* and prefetch nothing in single-stream mode */
+void gemm_quant_set_single_prefetch_for(int qtype, int level) { (void)qtype, (void)level; }
 
 /* The AVX2 path prefetches PREFETCH_J2 ahead outside single-stream mode (prefetch != 0), plain C never. */
 static int prefetch_blocks(int qtype, int single) { (void)qtype; return !single; }
@@ -1264,12 +1272,25 @@ int gemm_quant_path(void) { return QUANT_PATH; }
  * all), which some CPUs follow faster than NZ streams kept in flight by hand (a Zen 4 at M = 1: 1.2-1.45x)
  * and others slower; kernels/quant_linear.py times the choices on the model's own weights at load and
  * sets the fastest (0: off). The result's bits do not depend on it. */
-static int single_stream_rows = 0;
+static int single_stream_rows[QUANT_NUM_TYPES];
 
-void gemm_quant_set_single_stream(int max_rows) { single_stream_rows = max_rows; }
+void gemm_quant_set_single_stream_for(int qtype, int max_rows) {
+    if (qtype >= 0 && qtype < QUANT_NUM_TYPES) single_stream_rows[qtype] = max_rows;
+}
+
+/* Every format at once: the modes as they were chosen before they were chosen per format (per format:
+ * kernels/quant_linear.py times each format present on its own weights, since Q8_0's stream and the
+ * K-quants' can prefer different prefetching on one CPU). */
+void gemm_quant_set_single_stream(int max_rows) {
+    for (int q = 0; q < QUANT_NUM_TYPES; q++) gemm_quant_set_single_stream_for(q, max_rows);
+}
+
+void gemm_quant_set_single_prefetch(int level) {
+    for (int q = 0; q < QUANT_NUM_TYPES; q++) gemm_quant_set_single_prefetch_for(q, level);
+}
 
 static int check_shape(int qtype, int64_t N, int64_t K) {
-    return qtype >= 0 && qtype <= QUANT_Q2_K && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
+    return qtype >= 0 && qtype < QUANT_NUM_TYPES && N > 0 && N % NR == 0 && K > 0 && K % BLOCK_K[qtype] == 0;
 }
 
 /* A task's rows of y (rows ldy apart, from column col0, width wide) in y's dtype, from tmp's fp32 (bf16 y)
@@ -1300,7 +1321,7 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
         return -1;
     }
     /* a group: the panels of one task (one in single-stream mode) */
-    const int single = M <= single_stream_rows, gz = single ? 1 : NZ;
+    const int single = M <= single_stream_rows[qtype], gz = single ? 1 : NZ;
     const int64_t panels = N / NR, groups = (panels + gz - 1) / gz, chunks = (M + MC - 1) / MC;
     const int64_t tasks = groups * chunks;
     int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
@@ -1333,7 +1354,7 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
  * time: src[from + u unit ..] of lane l goes to dst[to + (16 u + l) unit ..]. */
 typedef struct { int from, to, bytes, unit; } Piece;
 
-static const Piece PIECES[12][5] = {
+static const Piece PIECES[QUANT_NUM_TYPES][5] = {
     {{0, 0, 2, 2}, {2, 32, 32, 4}},                                    /* Q8_0: d | codes */
     {{0, 0, 2, 2}, {2, 32, 16, 4}},                                    /* Q4_0: d | qs */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
