@@ -6,8 +6,8 @@ requantizes that file to Q8_0 / Q4_0 / Q4_1 / Q5_1 / Q4_K (scripts/quantize_gguf
 rounding, every matrix), or to llama-quantize's own mixes (q4_k_m: Q4_K with Q6_K / Q5_0 / Q8_0 matrices
 where llama.cpp puts them; q5_k_m: Q5_K with Q6_K / Q5_1 / Q8_0; iq4_xs: IQ4_XS with Q6_K / Q5_K / Q8_0,
 IQ4_NL where K is no multiple of 256; q3_k_m: Q3_K with Q4_K / Q5_K / Q6_K; q2_k: Q2_K with Q3_K / Q4_K /
-Q6_K; iq3_m: IQ3_S with Q4_K / Q6_K; needs `build/bin/llama-quantize`). Both servers then load the very same file. Against each, in turn,
-one server up at a time:
+Q6_K; iq3_m: IQ3_S with Q4_K / Q6_K; needs `build/bin/llama-quantize`). Both servers then load the very
+same file. Against each, in turn, one server up at a time:
 
     single   one stream: --num-single requests one after another
     batch    --batch-size requests at once
@@ -55,8 +55,8 @@ from cobatch.testing.server import free_port, running_server
 ROOT = Path(__file__).resolve().parent.parent
 DENSE = ("bf16", "f32")
 # format -> llama-quantize's type name
-LLAMA_QUANTIZE_MIXES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "iq4_xs": "IQ4_XS", "q3_k_m": "Q3_K_M", "q2_k": "Q2_K",
-                        "iq3_m": "IQ3_M"}
+LLAMA_QUANTIZE_MIXES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "iq4_xs": "IQ4_XS", "q3_k_m": "Q3_K_M",
+                        "q2_k": "Q2_K", "iq3_m": "IQ3_M"}
 QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_1", "q4_k", *LLAMA_QUANTIZE_MIXES)
 SERVERS = ("llama-server", "cobatch")
 _READY_TIMEOUT_S = 600.0

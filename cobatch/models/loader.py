@@ -11,11 +11,10 @@ those formats (or in IQ3_XXS / IQ3_S), a matrix in another quantized type become
 from the dequantized values of the IQ2 / IQ1 types and the rest (exactly from an IQ4_NL matrix whose K is
 no multiple of 64), and so does a fused projection whose parts differ in format (exactly from Q4_0, Q5_0
 and IQ4_NL parts): dense fp32 copies of them would hold 4-5x their bytes and be streamed every step. Other
-files are
-dequantized with `gguf`, and so is the bundled model (model_paths.is_bundled_model): it is the project's
-reference, served dense as its figures and its token-for-token match with HF transformers are, and is
-Q4_1 only because that is how its package ships it. `quantization` ("q8_0" | "q4_0") quantizes the dense
-projections and embeddings at load (models/quantization.py).
+files are dequantized with `gguf`, and so is the bundled model (model_paths.is_bundled_model): it is the
+project's reference, served dense as its figures and its token-for-token match with HF transformers are,
+and is Q4_1 only because that is how its package ships it. `quantization` ("q8_0" | "q4_0") quantizes the
+dense projections and embeddings at load (models/quantization.py).
 
 Weight-only bf16: a model computed in fp32 on CPU keeps a projection or embedding table whose source
 values are bf16 (a bf16 safetensors tensor, a GGUF BF16 tensor) in bf16 where the native fp32-on-bf16
