@@ -886,14 +886,16 @@ INLINE __m512i k4_scale(const __m512i sm[2], int jj) {
                             _mm512_set1_epi32(0xff));
 }
 
-/* Q4_K, Q5_K: sum over a 256-block's sub-blocks i of min_i sum(q of sub-block i), per lane, as integers:
- * the mins as 16-bit pairs (vpshufb: bytes 2 p, 2 p + 1 of each lane, zero-extended) times x's pairs of
- * 32-block sums (bs: the block's 8, int16), by vpdpwssd. */
-INLINE __m512i k4_min_sum(const __m512i mins[2], const int16_t *bs) {
+/* Q4_K, Q5_K, Q2_K: sum over a 256-block's sub-blocks i of min_i sum(q of sub-block i), per lane, as
+ * integers: the mins (a byte each, 4 to a lane's word: Q4_K's 8 in 2 vectors, Q2_K's 16 in 4) as 16-bit
+ * pairs (vpshufb: bytes 2 p, 2 p + 1 of each lane, zero-extended) times x's pairs of sub-block sums (bs:
+ * the block's 8 32-block sums or 16 16-block sums, int16), by vpdpwssd. */
+INLINE __m512i k_min_sum(const __m512i *mins, int vectors, const int16_t *bs) {
     const __m512i pair[2] = {_mm512_set4_epi32((int)0x800d800c, (int)0x80098008, (int)0x80058004, (int)0x80018000),
                              _mm512_set4_epi32((int)0x800f800e, (int)0x800b800a, (int)0x80078006, (int)0x80038002)};
     __m512i sum = _mm512_setzero_si512();
-    for (int p = 0; p < 4; p++) {
+#pragma GCC unroll 8
+    for (int p = 0; p < 2 * vectors; p++) {
         int32_t xs;
         memcpy(&xs, bs + 2 * p, 4);
         sum = _mm512_dpwssd_epi32(sum, _mm512_shuffle_epi8(mins[p / 2], pair[p % 2]), _mm512_set1_epi32(xs));
@@ -936,22 +938,6 @@ INLINE void q2_unpack(const uint8_t *blk, __m512i sc[16]) {
     for (int s = 0; s < 16; s++)
         sc[s] = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(blk + 64 + 64 * (s / 4)), 8 * (s % 4)),
                                  _mm512_set1_epi32(0xf));
-}
-
-/* Q2_K: sum over a 256-block's 16 sub-blocks i of min_i sum(q of sub-block i), per lane, as integers: its
- * mins (a vector of 4 per lane, 4 bytes of scale byte >> 4) as 16-bit pairs, as k4_min_sum's, times x's
- * pairs of 16-block sums (bs: the block's 16). */
-INLINE __m512i q2_min_sum(const __m512i mins[4], const int16_t *bs) {
-    const __m512i pair[2] = {_mm512_set4_epi32((int)0x800d800c, (int)0x80098008, (int)0x80058004, (int)0x80018000),
-                             _mm512_set4_epi32((int)0x800f800e, (int)0x800b800a, (int)0x80078006, (int)0x80038002)};
-    __m512i sum = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int p = 0; p < 8; p++) {
-        int32_t xs;
-        memcpy(&xs, bs + 2 * p, 4);
-        sum = _mm512_dpwssd_epi32(sum, _mm512_shuffle_epi8(mins[p / 2], pair[p % 2]), _mm512_set1_epi32(xs));
-    }
-    return sum;
 }
 
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
@@ -1040,8 +1026,8 @@ INLINE void k_block_end(int qtype, const QuantRows *x, int64_t m0, int mr, const
             float *y = out + m * ldo + z * NR;
             __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ksum[m * NZ + z]), _mm512_mul_ps(d, dx), _mm512_loadu_ps(y));
             if (HAS_KMIN(qtype)) {
-                const __m512i ms = HAS_MINS(qtype) ? k4_min_sum(mins, x->s + (m0 + m) * (x->K / QB) + j - 7)
-                                                   : q2_min_sum(mins, x->s16 + (m0 + m) * (x->K / 16) + 2 * (j - 7));
+                const __m512i ms = HAS_MINS(qtype) ? k_min_sum(mins, 2, x->s + (m0 + m) * (x->K / QB) + j - 7)
+                                                   : k_min_sum(mins, 4, x->s16 + (m0 + m) * (x->K / 16) + 2 * (j - 7));
                 v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dmin, dx), v);
             }
             _mm512_storeu_ps(y, v);
