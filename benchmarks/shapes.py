@@ -12,8 +12,9 @@ tokenizer is cut to the model's vocabulary (its first tokens and the BPE merges 
     .venv/bin/python -m benchmarks.shapes OUT_DIR --shape qwen2.5-0.5b [--layers 4] [--dtype bf16]
     .venv/bin/python -m benchmarks.shapes --list
 
-Weights: normal(0, init_std) (0.02, as the models' initializer_range), biases the same, norms 1, so
-activations stay in the trained models' range. Tests pass a larger init_std for peaked logits (greedy
+Weights: normal(0, init_std) (0.02, as the models' initializer_range), biases the same, norms 1 (Qwen3's
+q / k head norms 1 + normal(0, init_std), so that a swap of the two shows), so activations stay in the
+trained models' range. Tests pass a larger init_std for peaked logits (greedy
 comparisons without near-ties) and small variants of the shapes (tests/test_shapes.py).
 """
 
@@ -46,10 +47,10 @@ def config_json(shape: ModelConfig) -> dict[str, object]:
         "max_position_embeddings": shape.max_position_embeddings, "bos_token_id": shape.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else eos, "initializer_range": 0.02, "torch_dtype": "bfloat16",
     }
-    if shape.architecture == "qwen2":  # q/k/v biases are implied
+    if shape.architecture.startswith("qwen"):  # qwen2: q/k/v biases are implied
         cfg.update(use_sliding_window=False, sliding_window=shape.max_position_embeddings,
                    max_window_layers=shape.num_layers, attention_dropout=0.0)
-    else:
+    if shape.architecture != "qwen2":
         cfg.update(attention_bias=shape.attention_bias, mlp_bias=False)
     return cfg
 
@@ -68,10 +69,10 @@ def _shape(name: str, arch: str, hidden: int, inter: int, layers: int, heads: in
            vocab: int, tied: bool, theta: float, max_pos: int, eps: float, bos: int, eos: tuple[int, ...],
            rope_scaling: RopeScaling | None = None) -> ModelConfig:
     return ModelConfig(name, arch, vocab, hidden, inter, layers, heads, kv_heads, head_dim, eps, theta, max_pos,
-                       tied, arch == "qwen2", bos, eos, rope_scaling)
+                       tied, arch == "qwen2", bos, eos, rope_scaling, qk_norm=arch == "qwen3")
 
 
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LLAMA3_ROPE = RopeScaling("llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                            original_max_position_embeddings=8192)
 
@@ -83,6 +84,9 @@ SHAPES: dict[str, ModelConfig] = {s.name: s for s in (
            (128001, 128008, 128009), _LLAMA3_ROPE),
     _shape("tinyllama-1.1b", "llama", 2048, 5632, 22, 32, 4, 64, 32000, False, 10000.0, 2048, 1e-5, 1, (2,)),
     _shape("qwen2.5-1.5b", "qwen2", 1536, 8960, 28, 12, 2, 128, 151936, True, 1e6, 32768, 1e-6, 151643, (151645,)),
+    # Qwen3: RMSNorm on each q and k head, head_dim 128 wider than hidden / heads (q_proj 1024 -> 2048), no bias.
+    _shape("qwen3-0.6b", "qwen3", 1024, 3072, 28, 16, 8, 128, 151936, True, 1e6, 40960, 1e-6, 151643, (151645,)),
+    _shape("qwen3-1.7b", "qwen3", 2048, 6144, 28, 16, 8, 128, 151936, True, 1e6, 40960, 1e-6, 151643, (151645,)),
     # Multi-head attention (GQA ratio 1) with head_dim 128, untied: the older Llama 2 layout.
     _shape("llama-2-7b", "llama", 4096, 11008, 32, 32, 32, 128, 32000, False, 10000.0, 4096, 1e-5, 1, (2,)),
 )}
@@ -105,6 +109,9 @@ def tensor_shapes(shape: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield f"{p}self_attn.{name}_proj.weight", (rows, h)
             if shape.attention_bias:
                 yield f"{p}self_attn.{name}_proj.bias", (rows,)
+        if shape.qk_norm:
+            yield p + "self_attn.q_norm.weight", (hd,)
+            yield p + "self_attn.k_norm.weight", (hd,)
         yield p + "self_attn.o_proj.weight", (h, q)
         yield p + "post_attention_layernorm.weight", (h,)
         yield p + "mlp.gate_proj.weight", (i, h)
@@ -154,6 +161,8 @@ def write_checkpoint(shape: ModelConfig, out_dir: str | Path, *, num_layers: int
 def _random_tensor(name: str, dims: tuple[int, ...], init_std: float, gen: object) -> object:
     import torch
 
+    if name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3's head norms: each one matters
+        return 1.0 + torch.empty(dims).normal_(0.0, init_std, generator=gen)  # type: ignore[arg-type]
     if name.endswith("norm.weight"):
         return torch.ones(dims)
     return torch.empty(dims).normal_(0.0, init_std, generator=gen)  # type: ignore[arg-type]

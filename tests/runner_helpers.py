@@ -19,17 +19,21 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def tiny_hf_model(arch: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """A tiny random HF LlamaForCausalLM / Qwen2ForCausalLM in fp32 (biases randomized too)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A tiny random HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM in fp32 (biases and Qwen3's
+    head norms randomized too)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
-                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
     model = model_cls(config_cls(**{**TINY, **overrides})).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):  # HF zero-initializes biases: make them matter
                 param.normal_(std=0.5)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3's head norms start at 1: the same
+                param.normal_(mean=1.0, std=0.5)
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
     return model
 

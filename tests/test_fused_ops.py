@@ -1,4 +1,4 @@
-"""Native fused ops (norm, SiLU-multiply, RoPE) against their eager-torch definitions."""
+"""Native fused ops (norm, SiLU-multiply, RoPE, head norm) against their eager-torch definitions."""
 
 from __future__ import annotations
 
@@ -77,6 +77,27 @@ def test_rope_in_place_on_q_and_k_only(dtype: torch.dtype, head_dim: int, reques
     _check(native, eager)
     assert torch.equal(native[:, 6 * head_dim:], x[:, 6 * head_dim:])  # v untouched
     assert torch.equal(native[0], x[0]) and not torch.equal(native[1, :head_dim], x[1, :head_dim])  # pos 0: identity
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [128, 64, 40])
+def test_head_rms_norm_on_the_named_heads_only(dtype: torch.dtype, head_dim: int,
+                                              request: pytest.FixtureRequest) -> None:
+    """Qwen3's k_norm: heads 4 and 5 of a q | k | v row (4 + 2 + 2 heads), each normed on its own."""
+    g = torch.Generator().manual_seed(head_dim)
+    x = (3 * torch.randn(7, 8 * head_dim, generator=g)).to(dtype)
+    weight = torch.randn(head_dim, generator=g).to(dtype)
+    native, eager = x.clone(), x.clone()
+    EAGER.head_rms_norm(eager, 4, 2, head_dim, weight, 1e-6)
+    request.getfixturevalue("no_fallback")
+    NATIVE.head_rms_norm(native, 4, 2, head_dim, weight, 1e-6)
+    _check(native, eager)
+    k = x[:, 4 * head_dim:6 * head_dim].reshape(-1, head_dim).float()
+    want = weight.float() * k / (k.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()  # per head, not per row
+    torch.testing.assert_close(native[:, 4 * head_dim:6 * head_dim].float(), want.view(7, -1),
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    assert torch.equal(native[:, :4 * head_dim], x[:, :4 * head_dim])  # q and v untouched
+    assert torch.equal(native[:, 6 * head_dim:], x[:, 6 * head_dim:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

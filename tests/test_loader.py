@@ -58,13 +58,24 @@ def _greedy(path: Path) -> list[int]:
     return seq.output
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_safetensors_folder_round_trip(arch: str, tmp_path: Path) -> None:
-    hf = tiny_hf_model(arch, seed=3)
+    hf = tiny_hf_model(arch, seed=3, head_dim=16)
     assert _round_trip(hf, tmp_path) == hf_greedy(hf, PROMPT, 6)
     config = load_model_config(tmp_path)
     assert config.architecture == arch and config.attention_bias == (arch == "qwen2")
+    assert config.qk_norm == (arch == "qwen3")
     assert (config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size) == (4, 2, 16, 256)
+
+
+def test_qwen3_head_dim_wider_than_hidden_over_heads(tmp_path: Path) -> None:
+    """Qwen3's own layout: head_dim 128 with hidden 64 / 4 heads (q_proj 64 -> 512), q / k head norms."""
+    hf = tiny_hf_model("qwen3", seed=8)
+    assert hf.config.head_dim == 128
+    assert _round_trip(hf, tmp_path) == hf_greedy(hf, PROMPT, 6)
+    model, _ = load_model(tmp_path, torch.float32)
+    hf_norm = hf.model.layers[1].self_attn.k_norm.weight
+    assert torch.equal(model.layers[1].k_norm, hf_norm) and not torch.equal(model.layers[1].q_norm, hf_norm)
 
 
 def test_sharded_checkpoint_and_tied_embeddings(tmp_path: Path) -> None:
@@ -101,21 +112,21 @@ def _llama_cpp_rope_freqs(scaling: dict, head_dim: int) -> list[float]:
     return out
 
 
-def _write_llama_gguf(hf: torch.nn.Module, path: Path, rope_freqs: list[float]) -> None:
-    """The tiny HF llama as a GGUF file the way llama.cpp's converter lays it out (q/k rows permuted)."""
+def _write_llama_gguf(hf: torch.nn.Module, path: Path, rope_freqs: list[float] | None, arch: str = "llama") -> None:
+    """The tiny HF model as a GGUF file the way llama.cpp's converter lays it out (llama: q/k rows permuted)."""
     import gguf
 
     c, sd = hf.config, hf.state_dict()
-    permute = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}
+    permute = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads} if arch == "llama" else {}
     names = {hf_name: gguf_name for gguf_name, hf_name in _GGUF_LAYER_NAMES.items()}
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     for key, value in (("embedding_length", c.hidden_size), ("block_count", c.num_hidden_layers),
                        ("feed_forward_length", c.intermediate_size), ("context_length", c.max_position_embeddings),
                        ("attention.head_count", c.num_attention_heads),
-                       ("attention.head_count_kv", c.num_key_value_heads)):
-        w.add_uint32(f"llama.{key}", value)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    w.add_float32("llama.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+                       ("attention.head_count_kv", c.num_key_value_heads), ("attention.key_length", c.head_dim)):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     for name, tensor in sd.items():
@@ -128,7 +139,8 @@ def _write_llama_gguf(hf: torch.nn.Module, path: Path, rope_freqs: list[float]) 
             n = permute[parts[-2]]
             tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
         w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", tensor.contiguous().numpy())
-    w.add_tensor("rope_freqs.weight", np.array(rope_freqs, dtype=np.float32))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.array(rope_freqs, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -146,6 +158,17 @@ def test_gguf_rope_freqs_llama3_scaling_matches_hf(tmp_path: Path) -> None:
     assert config.rope_scaling is not None and config.rope_scaling.rope_type == "freq_factors"
     ours = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     assert torch.allclose(ours, hf.model.rotary_emb.inv_freq)
+    assert _greedy(path) == hf_greedy(hf, PROMPT, 6)
+
+
+def test_qwen3_gguf_matches_hf(tmp_path: Path) -> None:
+    """A Qwen3 GGUF (llama.cpp's names: attn_q_norm / attn_k_norm, qwen3.attention.key_length) gives HF's
+    tokens."""
+    hf = tiny_hf_model("qwen3", seed=9)
+    path = tmp_path / "qwen3.gguf"
+    _write_llama_gguf(hf, path, None, arch="qwen3")
+    config = load_model_config(path)
+    assert (config.architecture, config.head_dim, config.qk_norm) == ("qwen3", 128, True)
     assert _greedy(path) == hf_greedy(hf, PROMPT, 6)
 
 

@@ -31,7 +31,8 @@ def _int64s(*names: str) -> list[tuple[str, type]]:
 Shape = _struct("Shape", _int64s("hidden", "inter", "num_heads", "num_kv_heads", "head_dim", "block_size",
                                  "fused_mlp", "is_bf16") + [("eps", _FLOAT), ("scale", _FLOAT)])
 Layer = _struct("Layer", _pointers("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "down",
-                                   "k_cache", "v_cache") + _int64s("qkv_type", "o_type", "gate_up_type", "down_type"))
+                                   "q_norm", "k_norm", "k_cache", "v_cache")
+               + _int64s("qkv_type", "o_type", "gate_up_type", "down_type"))
 Step = _struct("Step", _int64s("num_tokens", "max_blocks", "num_tiles", "num_keep", "num_own_writes")
                + _pointers("positions", "slot_mapping", "block_tables", "tiles", "keep", "keep_tiles", "cos", "sin"))
 Buffers = _struct("Buffers", _pointers("residual", "x", "h", "qkv", "attn", "gate_up", "act", "residual_keep",
@@ -41,8 +42,8 @@ FieldLayout = _struct("FieldLayout", [("type", ctypes.c_char_p), ("field", ctype
                                       ("size", _I64)])
 STRUCTS: tuple[type[ctypes.Structure], ...] = (Shape, Layer, Step, Buffers, FieldLayout)
 
-# decoder.c's kernel_seconds in a -DKERNEL_TIMERS build, in its order (attention with the last layer's
-# gather of the kept rows, gate/up with its SiLU).
+# decoder.c's kernel_seconds in a -DKERNEL_TIMERS build, in its order (rope with Qwen3's q/k head norms,
+# attention with the last layer's gather of the kept rows, gate/up with its SiLU).
 KERNEL_TIMERS = ("norm", "qkv", "rope", "write_kv", "attention", "o_proj", "post_norm", "gate_up+silu", "down")
 
 # q, q_stride, k_cache, v_cache, block_tables, max_blocks, tiles, num_tiles, out, num_heads, num_kv_heads,
@@ -58,6 +59,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "silu_mul_rows_bf16": (None, [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
     "silu_mul_rows_f32": (None, [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
     "rope_inplace": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT]),
+    "head_rms_norm": (None, [_PTR, _PTR, _I64, _I64, _I64, _I64, _FLOAT, _INT]),
     "argmax_rows": (None, [_PTR, _I64, _I64, _INT, _PTR, _PTR]),
     # gemm_bf16.c
     "gemm_bf16_available": (_INT, []),

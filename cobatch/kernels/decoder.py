@@ -46,6 +46,8 @@ class LayerWeights:
     post_norm: torch.Tensor  # [H]
     gate_up: torch.Tensor  # rows gate | up (pack_weight), or pack_gate_up's layout
     down: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [hd]: Qwen3's RMSNorm of each q head before RoPE (with k_norm)
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +126,8 @@ class NativeDecoder:
                             int(fused_mlp), int(self._dtype == torch.bfloat16), w.rms_norm_eps, w.head_dim ** -0.5)
         self._layers = (Layer * len(w.layers))(*(
             Layer(*(_ptr(t) for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.o_bias,
-                                      layer.post_norm, layer.gate_up, layer.down)), None, None,
+                                      layer.post_norm, layer.gate_up, layer.down, layer.q_norm, layer.k_norm)),
+                  None, None,
                   *(projection_type(t, self._dtype) for t in (layer.qkv, layer.o, layer.gate_up, layer.down)))
             for layer in w.layers))
         self._bound_caches: Sequence[KVCache] | None = None

@@ -41,8 +41,8 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
 
 
 class FusedOps:
-    """add_rms_norm, silu_mul, rope (and greedy's argmax) for one model dtype: native where possible, else
-    eager torch."""
+    """add_rms_norm, silu_mul, rope, head_rms_norm (and greedy's argmax) for one model dtype: native where
+    possible, else eager torch."""
 
     def __init__(self, lib: ctypes.CDLL | None) -> None:
         """lib: the kernels library, bound (bindings.load_kernels); None: eager torch only."""
@@ -87,6 +87,18 @@ class FusedOps:
             return
         self._lib.rope_inplace(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                                x.shape[0], x.shape[1], num_heads, head_dim, _NATIVE_DTYPES[x.dtype])
+
+    def head_rms_norm(self, x: torch.Tensor, first_head: int, num_heads: int, head_dim: int, weight: torch.Tensor,
+                      eps: float) -> None:
+        """RMSNorm(head) * weight in place on heads first_head .. first_head + num_heads of each row of x
+        [T, W] (Qwen3's q_norm / k_norm on the fused QKV output)."""
+        if not self._use_native(x, weight):
+            heads = x[:, first_head * head_dim:(first_head + num_heads) * head_dim]
+            heads.copy_(rms_norm(heads.reshape(-1, head_dim), weight, eps).view(heads.shape))
+            return
+        start = x.data_ptr() + first_head * head_dim * x.element_size()
+        self._lib.head_rms_norm(start, weight.data_ptr(), x.shape[0], x.shape[1], num_heads, head_dim, eps,
+                                _NATIVE_DTYPES[x.dtype])
 
     def argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [R, V] -> (max [R] fp32, first index of it [R]): torch.max(dim=-1) in one native pass

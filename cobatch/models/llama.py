@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2) over a flat ragged batch.
+"""Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2, Qwen3) over a flat ragged batch.
 
 gpt-fast style: explicit arguments, no HF plumbing. Q/K/V and gate/up projections are fused at load time
 (one matmul each); in bf16 or fp32 on CPU `pack_linear_weights` repacks them for the native GEMM
@@ -101,6 +101,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = _param(h, dtype=dtype, device=device)
         self.gate_up_proj = _param(2 * i, h, dtype=dtype, device=device)  # rows: gate | up
         self.down_proj = _param(h, i, dtype=dtype, device=device)
+        # Qwen3: each q and k head RMS-normed before RoPE
+        self.q_norm = _param(config.head_dim, dtype=dtype, device=device) if config.qk_norm else None
+        self.k_norm = _param(config.head_dim, dtype=dtype, device=device) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, meta: AttentionMetadata,
@@ -135,10 +138,14 @@ class DecoderLayer(nn.Module):
 
     def qkv_rope(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fused QKV, RoPE on q and k in place: [T, H] -> q [T, nh, hd], k and v [T, kvh, hd] (views)."""
+        """Fused QKV, (Qwen3: each q and k head RMS-normed,) RoPE on q and k in place: [T, H] -> q [T, nh, hd],
+        k and v [T, kvh, hd] (views)."""
         num_tokens = x.shape[0]
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [T, (nh + 2 kvh) hd]: rows q | k | v
+        if self.q_norm is not None and self.k_norm is not None:
+            ops.head_rms_norm(qkv, 0, nh, hd, self.q_norm, self.eps)
+            ops.head_rms_norm(qkv, nh, kvh, hd, self.k_norm, self.eps)
         ops.rope(qkv, rope[0], rope[1], positions, nh + kvh, hd)
         q = qkv[:, :nh * hd].view(num_tokens, nh, hd)
         k = qkv[:, nh * hd:(nh + kvh) * hd].view(num_tokens, kvh, hd)

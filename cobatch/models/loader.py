@@ -39,7 +39,7 @@ from cobatch.kernels.quant_linear import FORMATS, QuantFormat, can_pack_blocks, 
 from cobatch.models.llama import LlamaForCausalLM
 from cobatch.models import quantization as quant
 from cobatch.models import requantize
-from cobatch.models.model_config import ModelConfig, RopeScaling
+from cobatch.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from cobatch.model_paths import is_bundled_model, is_gguf, resolve_model_path
 
 __all__ = ["ModelConfig", "build_model", "load_model", "load_model_config", "resolve_model_path"]
@@ -48,7 +48,7 @@ __all__ = ["ModelConfig", "build_model", "load_model", "load_model_config", "res
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -129,6 +129,9 @@ def build_model(config: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype:
             attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
             _fill(layer.input_norm, get(p + "input_layernorm.weight"))
             _fill(layer.post_attention_norm, get(p + "post_attention_layernorm.weight"))
+            if layer.q_norm is not None and layer.k_norm is not None:
+                _fill(layer.q_norm, get(p + "self_attn.q_norm.weight"))
+                _fill(layer.k_norm, get(p + "self_attn.k_norm.weight"))
             weight(layer.qkv_proj, [get(n + ".weight") for n in attn])
             if layer.qkv_bias is not None:
                 _fill(layer.qkv_bias, torch.cat([get(n + ".bias") for n in attn]))
@@ -322,8 +325,8 @@ def _gguf_config(reader: object, path: Path) -> ModelConfig:
         return fields[key].contents() if key in fields else default
 
     arch = str(get("general.architecture"))
-    if arch not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama, mistral, qwen2")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     tensor_names = {t.name for t in reader.tensors}  # type: ignore[attr-defined]
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")  # type: ignore[attr-defined]
     hidden = int(get(f"{arch}.embedding_length"))  # type: ignore[arg-type]
@@ -349,6 +352,7 @@ def _gguf_config(reader: object, path: Path) -> ModelConfig:
         bos_token_id=_opt(get("tokenizer.ggml.bos_token_id")),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),  # type: ignore[call-overload]
         rope_scaling=_gguf_rope_scaling(get, arch, reader.tensors),  # type: ignore[attr-defined]
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_SCALING = ("linear", "llama3", "freq_factors")
 
 
@@ -30,7 +30,7 @@ class RopeScaling:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape and constants of a Llama-family decoder (llama, mistral, qwen2)."""
+    """Shape and constants of a Llama-family decoder (llama, mistral, qwen2, qwen3)."""
 
     name: str
     architecture: str
@@ -50,6 +50,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling | None = None
     o_proj_bias: bool = False  # llama's attention_bias also puts a bias on o_proj; qwen2's doesn't
+    qk_norm: bool = False  # qwen3: an RMSNorm over each q and k head before RoPE (q_norm, k_norm [head_dim])
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -67,7 +68,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, object], name: str = "",
                        extra_eos: tuple[int, ...] = ()) -> ModelConfig:
-        """From a Hugging Face config.json dict (LlamaConfig / MistralConfig / Qwen2Config)."""
+        """From a Hugging Face config.json dict (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config)."""
         arch = str(cfg.get("model_type", ""))
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -96,6 +97,7 @@ class ModelConfig:
             bos_token_id=_opt_int(cfg.get("bos_token_id")),
             eos_token_ids=_merge_ids(cfg.get("eos_token_id"), extra_eos),
             rope_scaling=_hf_rope_scaling(cfg),
+            qk_norm=arch == "qwen3",
         )
 
 

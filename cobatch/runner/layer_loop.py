@@ -12,7 +12,8 @@ def decoder_weights(model: LlamaForCausalLM) -> DecoderWeights:
     """The model's tensors and shape as the C loop reads them (the model keeps owning them)."""
     c = model.config
     layers = tuple(LayerWeights(layer.input_norm, layer.qkv_proj, layer.qkv_bias, layer.o_proj, layer.o_bias,
-                                layer.post_attention_norm, layer.gate_up_proj, layer.down_proj)
+                                layer.post_attention_norm, layer.gate_up_proj, layer.down_proj, layer.q_norm,
+                                layer.k_norm)
                    for layer in model.layers)
     return DecoderWeights(layers, model.norm, model.rope_cos, model.rope_sin, c.hidden_size, c.intermediate_size,
                           c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)

@@ -44,6 +44,10 @@ static inline uint16_t f32_to_bf16(float f) {
 /* residual += x (x may be NULL), out = RMSNorm(residual) * weight; all [rows, hidden], weight [hidden]. */
 void add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t hidden,
                   float eps, int is_bf16);
+/* In place: RMSNorm of each of the first num_heads heads of each row of x (rows row_stride apart) times
+ * weight [head_dim] (Qwen3's q_norm / k_norm). */
+void head_rms_norm(void *x, const void *weight, int64_t rows, int64_t row_stride, int64_t num_heads,
+                   int64_t head_dim, float eps, int is_bf16);
 /* gate_up [rows, 2 inter] (gate | up) -> out [rows, inter] = silu(gate) * up. */
 void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int is_bf16);
 /* silu_mul's arithmetic on bf16 slices with their own row strides, serial (gemm_bf16_silu's epilogue). */
@@ -139,6 +143,7 @@ typedef struct {
 enum { PACKED_DENSE = -1, PACKED_F32_WBF16 = -2 };
 typedef struct {
     const void *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down; /* biases may be NULL */
+    const void *q_norm, *k_norm; /* Qwen3's per-head RMSNorm weights [head_dim] on q and k before RoPE, or NULL */
     void *k_cache, *v_cache; /* [blocks, block_size, kv heads, head_dim], laid out as the kernel reads */
     int64_t qkv_type, o_type, gate_up_type, down_type;
 } Layer;

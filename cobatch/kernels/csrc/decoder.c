@@ -16,6 +16,7 @@
  * Per layer, with x the previous layer's MLP output and residual the running sum (layer 0: residual holds
  * the embeddings and there is no x):
  *   h = add_rms_norm(x, residual += x, input_norm)      qkv = h @ Wqkv (+ b)    RoPE on q, k in place
+ *   (Qwen3: each q and k head RMS-normed first, head_rms_norm)
  *   K/V of the new tokens -> cache slots                 attn = paged_attention(q; cache)
  *   x = attn @ Wo (+ b)                                  h = add_rms_norm(x, residual += x, post_norm)
  *   gate_up = h @ Wgu                                    act = silu(gate) * up        x = act @ Wdown
@@ -28,9 +29,9 @@
 
 /* Wall time per kernel, summed over layers and calls, when built with -DKERNEL_TIMERS (NativeDecoder.
  * with_timers does, for `bench steps --profile` and scripts/kernel_timers.py: the torch profiler would
- * see only the Python layer loop). Compiled out otherwise. kernel_seconds: norm, qkv, rope, write_kv,
- * attention (with the last layer's gather of the kept rows), o_proj, post-attention norm, gate/up (with
- * SiLU), down: kernels/decoder.py's KERNEL_TIMERS. */
+ * see only the Python layer loop). Compiled out otherwise. kernel_seconds: norm, qkv, rope (with Qwen3's
+ * q/k head norms), write_kv, attention (with the last layer's gather of the kept rows), o_proj,
+ * post-attention norm, gate/up (with SiLU), down: kernels/decoder.py's KERNEL_TIMERS. */
 #ifdef KERNEL_TIMERS
 #include <omp.h>
 double kernel_seconds[9];
@@ -93,9 +94,13 @@ static int layer_forward(const Shape *s, const Layer *l, const Step *st, const B
     status = linear(s, l->qkv_type, b->h, l->qkv, l->qkv_bias, b->qkv, T, qkv_width, H, threads);
     if (status) return status;
     TIMER(1);
+    const int64_t q_width = nh * hd;  /* K and V: the columns of qkv after q */
+    if (l->q_norm != NULL) {  /* Qwen3: each q and k head RMS-normed before RoPE */
+        head_rms_norm(b->qkv, l->q_norm, T, qkv_width, nh, hd, s->eps, bf16);
+        head_rms_norm((char *)b->qkv + esize * q_width, l->k_norm, T, qkv_width, kvh, hd, s->eps, bf16);
+    }
     rope_inplace(b->qkv, st->cos, st->sin, st->positions, T, qkv_width, nh + kvh, hd, bf16);
     TIMER(2);
-    const int64_t q_width = nh * hd;  /* K and V: the columns of qkv after q */
     /* The first num_own_writes tokens (one-token rows: decode) have the attention kernel write their K/V
      * just before it reads them (paged_attention.c, write_own_key); the others are written here. Not in
      * the last layer's kept-rows call, whose tiles and q rows are the kept ones. */

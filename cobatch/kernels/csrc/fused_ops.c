@@ -200,6 +200,32 @@ void add_rms_norm(const void *x, void *residual, const void *weight, void *out, 
     FOR_EACH_DTYPE(rows, rows * hidden, NORM_ROW);
 }
 
+/* Head h of row r, in place: x = weight * dtype(x * rsqrt(mean(x^2) + eps)), as add_rms_norm's row with no
+ * residual add (the same rounding; in place, so no restrict). */
+SPECIALISE void head_rms_norm_row(void *x, const void *weight, int64_t base, int64_t head_dim, float eps,
+                                  int is_bf16) {
+    float sum_sq = 0.0f;
+    for (int64_t i = 0; i < head_dim; i++) {
+        float v = load(x, base + i, is_bf16);
+        sum_sq += v * v;
+    }
+    float inv_rms = 1.0f / sqrtf(sum_sq / (float)head_dim + eps);
+    for (int64_t i = 0; i < head_dim; i++) {
+        float normed = round_to(load(x, base + i, is_bf16) * inv_rms, is_bf16);
+        store(x, base + i, load(weight, i, is_bf16) * normed, is_bf16);
+    }
+}
+
+/* RMSNorm over each of the first num_heads heads of each row of x (row_stride apart), in place, with one
+ * weight [head_dim] for all: Qwen3's q_norm / k_norm, before RoPE. */
+void head_rms_norm(void *x, const void *weight, int64_t rows, int64_t row_stride, int64_t num_heads,
+                   int64_t head_dim, float eps, int is_bf16) {
+#define HEAD_NORM_ROW(bf16)                                                                        \
+    for (int64_t h = 0; h < num_heads; h++)                                                        \
+        head_rms_norm_row(x, weight, r * row_stride + h * head_dim, head_dim, eps, bf16)
+    FOR_EACH_DTYPE(rows, rows * num_heads * head_dim, HEAD_NORM_ROW);
+}
+
 /* dtype(silu(g)): a NaN gate stays NaN. */
 static inline float silu_of(float g, int is_bf16) { return round_to(g / (1.0f + exp_vec(-g)), is_bf16); }
 

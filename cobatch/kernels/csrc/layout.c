@@ -16,6 +16,7 @@ static const FieldLayout LAYOUTS[] = {
 
     STRUCT(Layer), FIELD(Layer, input_norm), FIELD(Layer, qkv), FIELD(Layer, qkv_bias), FIELD(Layer, o),
     FIELD(Layer, o_bias), FIELD(Layer, post_norm), FIELD(Layer, gate_up), FIELD(Layer, down),
+    FIELD(Layer, q_norm), FIELD(Layer, k_norm),
     FIELD(Layer, k_cache), FIELD(Layer, v_cache), FIELD(Layer, qkv_type), FIELD(Layer, o_type),
     FIELD(Layer, gate_up_type), FIELD(Layer, down_type),
 
