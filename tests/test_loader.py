@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,37 @@ def test_llama3_rope_scaling_matches_hf(tmp_path: Path) -> None:
     assert not torch.allclose(ours, rope_inv_freq(config.head_dim, config.rope_theta, None))
 
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_yarn_rope_scaling_matches_hf(arch: str, tmp_path: Path) -> None:
+    """YaRN (Qwen's long-context switch): the ramped frequencies and the cos / sin attention factor."""
+    hf = tiny_hf_model(arch, seed=10, head_dim=16, rope_parameters=YARN)
+    assert _round_trip(hf, tmp_path) == hf_greedy(hf, PROMPT, 6)
+    config = load_model_config(tmp_path)
+    assert config.rope_scaling is not None and config.rope_scaling.rope_type == "yarn"
+    ours = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    assert torch.allclose(ours, hf.model.rotary_emb.inv_freq)
+    default = rope_inv_freq(config.head_dim, config.rope_theta, None)
+    assert torch.equal(ours[0], default[0]) and torch.allclose(ours[-1], default[-1] / 4)  # kept / divided
+    assert config.rope_scaling.attention_factor == pytest.approx(hf.model.rotary_emb.attention_scaling)
+    assert config.rope_scaling.attention_factor == pytest.approx(1 + 0.1 * math.log(4))
+
+
+def test_yarn_gguf_matches_hf(tmp_path: Path) -> None:
+    """YaRN as llama.cpp's converter writes it for Qwen: rope.scaling.type / factor /
+    original_context_length; llama.cpp's attention factor (0.1 ln(factor) + 1) is HF's."""
+    hf = tiny_hf_model("qwen3", seed=11, head_dim=16, rope_parameters=YARN)
+    path = tmp_path / "yarn.gguf"
+    _write_llama_gguf(hf, path, None, arch="qwen3", extra={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                                          "rope.scaling.original_context_length": 64})
+    config = load_model_config(path)
+    assert config.rope_scaling is not None and config.rope_scaling.rope_type == "yarn"
+    assert config.rope_scaling.attention_factor == pytest.approx(hf.model.rotary_emb.attention_scaling)
+    assert _greedy(path) == hf_greedy(hf, PROMPT, 6)
+
+
 def _llama_cpp_rope_freqs(scaling: dict, head_dim: int) -> list[float]:
     """Llama-3 scaling as llama.cpp's converter writes it: one divisor per frequency pair (rope_freqs)."""
     import math
@@ -112,8 +144,10 @@ def _llama_cpp_rope_freqs(scaling: dict, head_dim: int) -> list[float]:
     return out
 
 
-def _write_llama_gguf(hf: torch.nn.Module, path: Path, rope_freqs: list[float] | None, arch: str = "llama") -> None:
-    """The tiny HF model as a GGUF file the way llama.cpp's converter lays it out (llama: q/k rows permuted)."""
+def _write_llama_gguf(hf: torch.nn.Module, path: Path, rope_freqs: list[float] | None, arch: str = "llama",
+                     extra: dict[str, object] | None = None) -> None:
+    """The tiny HF model as a GGUF file the way llama.cpp's converter lays it out (llama: q/k rows permuted);
+    extra: more `{arch}.` keys (str, float or int values)."""
     import gguf
 
     c, sd = hf.config, hf.state_dict()
@@ -127,6 +161,9 @@ def _write_llama_gguf(hf: torch.nn.Module, path: Path, rope_freqs: list[float] |
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    for key, value in (extra or {}).items():
+        add = w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32
+        add(f"{arch}.{key}", value)
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     for name, tensor in sd.items():
@@ -175,9 +212,9 @@ def test_qwen3_gguf_matches_hf(tmp_path: Path) -> None:
 def test_unknown_rope_scaling_is_refused(tmp_path: Path) -> None:
     tiny_hf_model("llama").config.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
+    with pytest.raises(ValueError, match="unsupported rope scaling 'longrope'"):
         load_model_config(tmp_path)
 
 

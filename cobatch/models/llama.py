@@ -56,11 +56,26 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     if scaling.rope_type == "freq_factors":
         if len(scaling.freq_factors) != len(inv_freq):
             raise ValueError(f"rope freq_factors has {len(scaling.freq_factors)} values for head_dim {head_dim}")
         return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
     return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    # YaRN: pairs that turn more than beta_fast times over the original context keep their frequency, those
+    # that turn fewer than beta_slow times are divided by `factor`, and a linear ramp blends the band between
+    # (its ends rounded outwards to whole pairs, as transformers' truncate=True and llama.cpp do).
+    def pair_of(rotations: float) -> float:  # the (fractional) pair index that turns `rotations` times
+        return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(pair_of(s.beta_fast)), 0)
+    high = min(math.ceil(pair_of(s.beta_slow)), head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / s.factor * ramp + inv_freq * (1 - ramp)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -78,10 +93,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 def rope_tables(config: ModelConfig, max_positions: int, dtype: torch.dtype,
                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_positions, hd / 2], computed in fp32 and stored in the model dtype."""
+    """cos and sin tables [max_positions, hd / 2], computed in fp32 (YaRN: times its attention factor) and
+    stored in the model dtype."""
     inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    return freqs.cos().to(dtype=dtype, device=device), freqs.sin().to(dtype=dtype, device=device)
+    scale = config.rope_scaling.attention_factor if config.rope_scaling is not None else 1.0
+    cos, sin = freqs.cos() * scale, freqs.sin() * scale
+    return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
 
 
 class DecoderLayer(nn.Module):

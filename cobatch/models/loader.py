@@ -39,7 +39,7 @@ from cobatch.kernels.quant_linear import FORMATS, QuantFormat, can_pack_blocks, 
 from cobatch.models.llama import LlamaForCausalLM
 from cobatch.models import quantization as quant
 from cobatch.models import requantize
-from cobatch.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from cobatch.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, yarn_mscale
 from cobatch.model_paths import is_bundled_model, is_gguf, resolve_model_path
 
 __all__ = ["ModelConfig", "build_model", "load_model", "load_model_config", "resolve_model_path"]
@@ -365,9 +365,23 @@ def _gguf_rope_scaling(get: object, arch: str, tensors: list) -> RopeScaling | N
     kind = get(f"{arch}.rope.scaling.type")  # type: ignore[operator]
     if kind in (None, "none"):
         return None
+    factor = float(get(f"{arch}.rope.scaling.factor"))  # type: ignore[operator]
+    if kind == "yarn":
+        return _gguf_yarn(get, arch, factor)
     if kind != "linear":
-        raise ValueError(f"unsupported GGUF rope scaling {kind!r}; supported: linear (or none)")
-    return RopeScaling(rope_type="linear", factor=float(get(f"{arch}.rope.scaling.factor")))  # type: ignore[operator]
+        raise ValueError(f"unsupported GGUF rope scaling {kind!r}; supported: linear, yarn (or none)")
+    return RopeScaling(rope_type="linear", factor=factor)
+
+
+def _gguf_yarn(get: object, arch: str, factor: float) -> RopeScaling:
+    """YaRN as llama.cpp reads it: the original context, beta_fast / beta_slow (32 / 1 unless written),
+    and cos / sin scaled by attn_factor (1 unless written) times yarn_mscale(factor)."""
+    key = f"{arch}.rope.scaling."
+    original = get(key + "original_context_length") or get(f"{arch}.context_length")  # type: ignore[operator]
+    return RopeScaling(rope_type="yarn", factor=factor, original_max_position_embeddings=int(original),
+                       beta_fast=float(get(key + "yarn_beta_fast", 32.0)),  # type: ignore[operator]
+                       beta_slow=float(get(key + "yarn_beta_slow", 1.0)),  # type: ignore[operator]
+                       attention_factor=float(get(key + "attn_factor", 1.0)) * yarn_mscale(factor))  # type: ignore
 
 
 def _opt(value: object) -> int | None:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_SCALING = ("linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_SCALING = ("linear", "llama3", "freq_factors", "yarn")
 
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """RoPE frequency scaling: "linear" (positions / factor), Llama-3's "llama3" band scaling, or
+    """RoPE frequency scaling: "linear" (positions / factor), Llama-3's "llama3" band scaling,
     "freq_factors": one divisor per frequency pair, the form a GGUF file stores Llama-3 scaling in
-    (its rope_freqs tensor), without the parameters it came from."""
+    (its rope_freqs tensor), without the parameters it came from, or "yarn" (YaRN, as Qwen2.5 / Qwen3 turn
+    it on for long contexts: frequencies between beta_fast and beta_slow rotations over the original
+    context ramp from kept to divided by `factor`, and cos / sin are scaled by attention_factor)."""
 
     rope_type: str
     factor: float = 1.0
@@ -21,6 +24,9 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] = ()
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0  # yarn: cos and sin times this (HF's attention_scaling)
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_SCALING:
@@ -119,6 +125,8 @@ def _hf_rope_scaling(cfg: Mapping[str, object]) -> RopeScaling | None:
     # max_model_len here (ModelRunner): within it, the frequencies are the default ones.
     if rope_type in ("default", "dynamic"):
         return None
+    if rope_type == "yarn":
+        return _hf_yarn(scaling, int(cfg.get("max_position_embeddings", 2048)))  # type: ignore[call-overload]
     return RopeScaling(
         rope_type=rope_type,
         factor=float(scaling.get("factor", 1.0)),
@@ -126,6 +134,28 @@ def _hf_rope_scaling(cfg: Mapping[str, object]) -> RopeScaling | None:
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
     )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times the original: 0.1 mscale ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _hf_yarn(scaling: Mapping[str, object], max_positions: int) -> RopeScaling:
+    """A HF config's YaRN parameters, with transformers' defaults: without a factor, the ratio of
+    max_position_embeddings to the original; without an attention_factor, yarn_mscale's (DeepSeek's
+    mscale / mscale_all_dim ratio where both are given)."""
+    original = int(scaling.get("original_max_position_embeddings") or max_positions)  # type: ignore[call-overload]
+    factor = float(scaling.get("factor") or max_positions / original)  # type: ignore[arg-type]
+    attention = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention is None:
+        attention = (yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))  # type: ignore
+                     if mscale and mscale_all_dim else yarn_mscale(factor))
+    return RopeScaling(rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                       beta_fast=float(scaling.get("beta_fast") or 32.0),  # type: ignore[arg-type]
+                       beta_slow=float(scaling.get("beta_slow") or 1.0),  # type: ignore[arg-type]
+                       attention_factor=float(attention))  # type: ignore[arg-type]
 
 
 def _opt_int(value: object) -> int | None:
