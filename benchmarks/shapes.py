@@ -28,7 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from cobatch.models.model_config import ModelConfig, RopeScaling
+from cobatch.models.model_config import ModelConfig, RopeScaling, no_rope_every
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 _SHARD_BYTES = 2 << 30  # safetensors shards of at most ~2 GiB, as save_pretrained shards
@@ -52,6 +52,9 @@ def config_json(shape: ModelConfig) -> dict[str, object]:
                    max_window_layers=shape.num_layers, attention_dropout=0.0)
     if shape.architecture != "qwen2":
         cfg.update(attention_bias=shape.attention_bias, mlp_bias=False)
+    if shape.architecture == "smollm3":  # 1: the layer uses RoPE
+        cfg.update(no_rope_layers=[int(i not in shape.no_rope_layers) for i in range(shape.num_layers)],
+                   use_sliding_window=False)
     return cfg
 
 
@@ -69,10 +72,12 @@ def _shape(name: str, arch: str, hidden: int, inter: int, layers: int, heads: in
            vocab: int, tied: bool, theta: float, max_pos: int, eps: float, bos: int, eos: tuple[int, ...],
            rope_scaling: RopeScaling | None = None) -> ModelConfig:
     return ModelConfig(name, arch, vocab, hidden, inter, layers, heads, kv_heads, head_dim, eps, theta, max_pos,
-                       tied, arch == "qwen2", bos, eos, rope_scaling, qk_norm=arch == "qwen3")
+                       tied, arch == "qwen2", bos, eos, rope_scaling, qk_norm=arch == "qwen3",
+                       no_rope_layers=no_rope_every(4, layers) if arch == "smollm3" else ())
 
 
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "smollm3": "SmolLM3ForCausalLM"}
 _LLAMA3_ROPE = RopeScaling("llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                            original_max_position_embeddings=8192)
 
@@ -87,6 +92,8 @@ SHAPES: dict[str, ModelConfig] = {s.name: s for s in (
     # Qwen3: RMSNorm on each q and k head, head_dim 128 wider than hidden / heads (q_proj 1024 -> 2048), no bias.
     _shape("qwen3-0.6b", "qwen3", 1024, 3072, 28, 16, 8, 128, 151936, True, 1e6, 40960, 1e-6, 151643, (151645,)),
     _shape("qwen3-1.7b", "qwen3", 2048, 6144, 28, 16, 8, 128, 151936, True, 1e6, 40960, 1e-6, 151643, (151645,)),
+    # SmolLM3: Llama's layout with no RoPE in every fourth layer (NoPE), GQA 4, head_dim 128.
+    _shape("smollm3-3b", "smollm3", 2048, 11008, 36, 16, 4, 128, 128256, True, 5e6, 65536, 1e-6, 128000, (128012,)),
     # Multi-head attention (GQA ratio 1) with head_dim 128, untied: the older Llama 2 layout.
     _shape("llama-2-7b", "llama", 4096, 11008, 32, 32, 32, 128, 32000, False, 10000.0, 4096, 1e-5, 1, (2,)),
 )}

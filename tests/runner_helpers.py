@@ -19,14 +19,19 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def tiny_hf_model(arch: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """A tiny random HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM in fp32 (biases and Qwen3's
-    head norms randomized too)."""
+    """A tiny random HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / SmolLM3ForCausalLM in fp32
+    (biases and Qwen3's head norms randomized too; SmolLM3's second layer NoPE)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+                              Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
     torch.manual_seed(seed)
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                             "smollm3": (SmolLM3Config, SmolLM3ForCausalLM)}[arch]
+    if arch == "smollm3":  # layer 1 NoPE (the default, every 4th, would leave 2 layers all RoPE); its
+        # default token ids are past a tiny vocabulary
+        overrides = {"no_rope_layers": [1, 0], "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+                     **overrides}
     model = model_cls(config_cls(**{**TINY, **overrides})).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():

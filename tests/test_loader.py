@@ -59,13 +59,14 @@ def _greedy(path: Path) -> list[int]:
     return seq.output
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3"])
 def test_safetensors_folder_round_trip(arch: str, tmp_path: Path) -> None:
     hf = tiny_hf_model(arch, seed=3, head_dim=16)
     assert _round_trip(hf, tmp_path) == hf_greedy(hf, PROMPT, 6)
     config = load_model_config(tmp_path)
     assert config.architecture == arch and config.attention_bias == (arch == "qwen2")
     assert config.qk_norm == (arch == "qwen3")
+    assert config.no_rope_layers == ((1,) if arch == "smollm3" else ())
     assert (config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size) == (4, 2, 16, 256)
 
 
@@ -97,6 +98,16 @@ def test_llama3_rope_scaling_matches_hf(tmp_path: Path) -> None:
     ours = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     assert torch.allclose(ours, hf.model.rotary_emb.inv_freq)
     assert not torch.allclose(ours, rope_inv_freq(config.head_dim, config.rope_theta, None))
+
+
+def test_smollm3_gguf_matches_hf(tmp_path: Path) -> None:
+    """A SmolLM3 GGUF: q / k permuted as llama's, and NoPE in every fourth layer, which llama.cpp's
+    smollm3 architecture implies rather than stores."""
+    hf = tiny_hf_model("smollm3", seed=12, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])
+    path = tmp_path / "smollm3.gguf"
+    _write_llama_gguf(hf, path, None, arch="smollm3")
+    assert load_model_config(path).no_rope_layers == (3,)
+    assert _greedy(path) == hf_greedy(hf, PROMPT, 6)
 
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
@@ -151,13 +162,15 @@ def _write_llama_gguf(hf: torch.nn.Module, path: Path, rope_freqs: list[float] |
     import gguf
 
     c, sd = hf.config, hf.state_dict()
-    permute = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads} if arch == "llama" else {}
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # SmolLM3's has none
+    permuted = arch in ("llama", "smollm3")
+    permute = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads} if permuted else {}
     names = {hf_name: gguf_name for gguf_name, hf_name in _GGUF_LAYER_NAMES.items()}
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in (("embedding_length", c.hidden_size), ("block_count", c.num_hidden_layers),
                        ("feed_forward_length", c.intermediate_size), ("context_length", c.max_position_embeddings),
                        ("attention.head_count", c.num_attention_heads),
-                       ("attention.head_count_kv", c.num_key_value_heads), ("attention.key_length", c.head_dim)):
+                       ("attention.head_count_kv", c.num_key_value_heads), ("attention.key_length", head_dim)):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))

@@ -95,6 +95,7 @@ def test_quantized_weights_same_bits_as_the_python_layer_loop(arch: str, quantiz
     ("llama", {}),  # head_dim 16: the attention kernel's plain C path
     ("qwen2", {}),  # q/k/v biases
     ("qwen3", {}),  # q / k head norms, head_dim 128 > hidden / heads
+    ("smollm3", {}),  # layer 1 without RoPE (NoPE)
     ("llama", {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1}),  # hd 64: AVX-512
     ("llama", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4}),  # hd 32, no GQA
     ("llama", {"intermediate_size": 96}),  # gate/up packed: SiLU-multiply fused into the GEMM

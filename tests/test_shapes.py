@@ -46,6 +46,7 @@ SMALL: dict[str, dict[str, object]] = {
     "qwen2.5-1.5b": {"hidden_size": 128, "intermediate_size": 560},  # hd 128, GQA 6, vocab 151936
     "llama-2-7b": {"hidden_size": 256, "intermediate_size": 688, "rope_scaling": _LINEAR_ROPE},  # MHA, hd 128
     "qwen3-0.6b": {"hidden_size": 128, "intermediate_size": 192},  # q / k head norms, hd 128 x 16 > H, GQA 2
+    "smollm3-3b": {"hidden_size": 128, "intermediate_size": 344, "no_rope_layers": (1,)},  # NoPE layer, GQA 4
 }
 # config.json keys a variant adds to what its shape writes: dynamic NTK scaling, which is the default
 # rope up to max_position_embeddings (and max_model_len stays within it).

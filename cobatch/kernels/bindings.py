@@ -32,7 +32,7 @@ Shape = _struct("Shape", _int64s("hidden", "inter", "num_heads", "num_kv_heads",
                                  "fused_mlp", "is_bf16") + [("eps", _FLOAT), ("scale", _FLOAT)])
 Layer = _struct("Layer", _pointers("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "down",
                                    "q_norm", "k_norm", "k_cache", "v_cache")
-               + _int64s("qkv_type", "o_type", "gate_up_type", "down_type"))
+               + _int64s("qkv_type", "o_type", "gate_up_type", "down_type", "skip_rope"))
 Step = _struct("Step", _int64s("num_tokens", "max_blocks", "num_tiles", "num_keep", "num_own_writes")
                + _pointers("positions", "slot_mapping", "block_tables", "tiles", "keep", "keep_tiles", "cos", "sin"))
 Buffers = _struct("Buffers", _pointers("residual", "x", "h", "qkv", "attn", "gate_up", "act", "residual_keep",

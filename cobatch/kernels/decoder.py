@@ -48,6 +48,7 @@ class LayerWeights:
     down: torch.Tensor
     q_norm: torch.Tensor | None = None  # [hd]: Qwen3's RMSNorm of each q head before RoPE (with k_norm)
     k_norm: torch.Tensor | None = None
+    rope: bool = True  # False: no RoPE on q and k (SmolLM3's NoPE layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +129,8 @@ class NativeDecoder:
             Layer(*(_ptr(t) for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.o_bias,
                                       layer.post_norm, layer.gate_up, layer.down, layer.q_norm, layer.k_norm)),
                   None, None,
-                  *(projection_type(t, self._dtype) for t in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+                  *(projection_type(t, self._dtype) for t in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                  int(not layer.rope))
             for layer in w.layers))
         self._bound_caches: Sequence[KVCache] | None = None
         self._scratch = torch.empty(0, dtype=self._dtype)  # the per-step activations (_workspace)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2, Qwen3) over a flat ragged batch.
+"""Llama-family decoder (Llama 2/3, SmolLM, SmolLM3, TinyLlama, Mistral, Qwen2, Qwen3) over a flat ragged batch.
 
 gpt-fast style: explicit arguments, no HF plumbing. Q/K/V and gate/up projections are fused at load time
 (one matmul each); in bf16 or fp32 on CPU `pack_linear_weights` repacks them for the native GEMM
@@ -70,7 +70,8 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeS
     # that turn fewer than beta_slow times are divided by `factor`, and a linear ramp blends the band between
     # (its ends rounded outwards to whole pairs, as transformers' truncate=True and llama.cpp do).
     def pair_of(rotations: float) -> float:  # the (fractional) pair index that turns `rotations` times
-        return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        ratio = s.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(ratio) / (2 * math.log(theta))
 
     low = max(math.floor(pair_of(s.beta_fast)), 0)
     high = min(math.ceil(pair_of(s.beta_slow)), head_dim - 1)
@@ -105,9 +106,10 @@ def rope_tables(config: ModelConfig, max_positions: int, dtype: torch.dtype,
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SiLU-gated MLP, with fused QKV and gate/up weights."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, index: int = 0) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
+        self.use_rope = index not in config.no_rope_layers  # SmolLM3: every fourth layer has none (NoPE)
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim, self.eps = config.head_dim, config.rms_norm_eps
         self.scale = config.head_dim ** -0.5
@@ -164,7 +166,8 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             ops.head_rms_norm(qkv, 0, nh, hd, self.q_norm, self.eps)
             ops.head_rms_norm(qkv, nh, kvh, hd, self.k_norm, self.eps)
-        ops.rope(qkv, rope[0], rope[1], positions, nh + kvh, hd)
+        if self.use_rope:
+            ops.rope(qkv, rope[0], rope[1], positions, nh + kvh, hd)
         q = qkv[:, :nh * hd].view(num_tokens, nh, hd)
         k = qkv[:, nh * hd:(nh + kvh) * hd].view(num_tokens, kvh, hd)
         v = qkv[:, (nh + kvh) * hd:].view(num_tokens, kvh, hd)
@@ -179,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, i) for i in range(config.num_layers))
         self.norm = _param(config.hidden_size, dtype=dtype, device=device)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
                         else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))

@@ -39,7 +39,8 @@ from cobatch.kernels.quant_linear import FORMATS, QuantFormat, can_pack_blocks, 
 from cobatch.models.llama import LlamaForCausalLM
 from cobatch.models import quantization as quant
 from cobatch.models import requantize
-from cobatch.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, yarn_mscale
+from cobatch.models.model_config import (SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, no_rope_every,
+                                         yarn_mscale)
 from cobatch.model_paths import is_bundled_model, is_gguf, resolve_model_path
 
 __all__ = ["ModelConfig", "build_model", "load_model", "load_model_config", "resolve_model_path"]
@@ -55,7 +56,9 @@ _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 # GGUF's unquantized tensor types: kept as they are (BF16 as bf16, F16 / F32 in the model's dtype).
 _DENSE_TYPES = frozenset(("F32", "F16", "BF16", "F64"))
 # GGUF architectures whose q/k rows llama.cpp's converter permuted for its RoPE kernel.
-_GGUF_PERMUTED_ARCHS = ("llama", "mistral")
+_GGUF_PERMUTED_ARCHS = ("llama", "mistral", "smollm3")
+# GGUF architectures whose NoPE layers the architecture implies (llama.cpp's n_no_rope_layer_step).
+_GGUF_NO_ROPE_EVERY = {"smollm3": 4}
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -353,6 +356,8 @@ def _gguf_config(reader: object, path: Path) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),  # type: ignore[call-overload]
         rope_scaling=_gguf_rope_scaling(get, arch, reader.tensors),  # type: ignore[attr-defined]
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        no_rope_layers=no_rope_every(_GGUF_NO_ROPE_EVERY[arch], int(get(f"{arch}.block_count")))  # type: ignore
+        if arch in _GGUF_NO_ROPE_EVERY else (),
     )
 
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 SUPPORTED_ROPE_SCALING = ("linear", "llama3", "freq_factors", "yarn")
 
 
@@ -36,7 +36,7 @@ class RopeScaling:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape and constants of a Llama-family decoder (llama, mistral, qwen2, qwen3)."""
+    """Shape and constants of a Llama-family decoder (llama, mistral, qwen2, qwen3, smollm3)."""
 
     name: str
     architecture: str
@@ -57,6 +57,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     o_proj_bias: bool = False  # llama's attention_bias also puts a bias on o_proj; qwen2's doesn't
     qk_norm: bool = False  # qwen3: an RMSNorm over each q and k head before RoPE (q_norm, k_norm [head_dim])
+    no_rope_layers: tuple[int, ...] = ()  # smollm3: the layers whose q and k get no RoPE (NoPE), by index
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -74,7 +75,8 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, object], name: str = "",
                        extra_eos: tuple[int, ...] = ()) -> ModelConfig:
-        """From a Hugging Face config.json dict (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config)."""
+        """From a Hugging Face config.json dict (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config /
+        SmolLM3Config)."""
         arch = str(cfg.get("model_type", ""))
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -104,7 +106,25 @@ class ModelConfig:
             eos_token_ids=_merge_ids(cfg.get("eos_token_id"), extra_eos),
             rope_scaling=_hf_rope_scaling(cfg),
             qk_norm=arch == "qwen3",
+            no_rope_layers=_hf_no_rope_layers(cfg),
         )
+
+
+def _hf_no_rope_layers(cfg: Mapping[str, object]) -> tuple[int, ...]:
+    """SmolLM3's no_rope_layers (1: the layer uses RoPE, 0: NoPE) as the indices of its NoPE layers; without
+    the list, transformers' default: every no_rope_layer_interval-th layer (4) is NoPE."""
+    if cfg.get("model_type") != "smollm3":
+        return ()
+    flags = cfg.get("no_rope_layers")
+    if not isinstance(flags, list):
+        interval, layers = int(cfg.get("no_rope_layer_interval") or 4), int(cfg["num_hidden_layers"])  # type: ignore
+        return no_rope_every(interval, layers)
+    return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
+
+
+def no_rope_every(interval: int, num_layers: int) -> tuple[int, ...]:
+    """Every interval-th layer NoPE (layers interval - 1, 2 interval - 1, ...): SmolLM3's pattern."""
+    return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
 
 
 def _rope_theta(cfg: Mapping[str, object]) -> float:

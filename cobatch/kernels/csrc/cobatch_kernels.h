@@ -146,6 +146,7 @@ typedef struct {
     const void *q_norm, *k_norm; /* Qwen3's per-head RMSNorm weights [head_dim] on q and k before RoPE, or NULL */
     void *k_cache, *v_cache; /* [blocks, block_size, kv heads, head_dim], laid out as the kernel reads */
     int64_t qkv_type, o_type, gate_up_type, down_type;
+    int64_t skip_rope; /* 1: no RoPE on this layer's q and k (SmolLM3's NoPE layers) */
 } Layer;
 
 /* This step's batch: the attention metadata of models/attention.py, and the rows whose output is wanted

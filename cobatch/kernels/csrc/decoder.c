@@ -16,7 +16,7 @@
  * Per layer, with x the previous layer's MLP output and residual the running sum (layer 0: residual holds
  * the embeddings and there is no x):
  *   h = add_rms_norm(x, residual += x, input_norm)      qkv = h @ Wqkv (+ b)    RoPE on q, k in place
- *   (Qwen3: each q and k head RMS-normed first, head_rms_norm)
+ *   (Qwen3: each q and k head RMS-normed first, head_rms_norm; SmolLM3's NoPE layers: no RoPE)
  *   K/V of the new tokens -> cache slots                 attn = paged_attention(q; cache)
  *   x = attn @ Wo (+ b)                                  h = add_rms_norm(x, residual += x, post_norm)
  *   gate_up = h @ Wgu                                    act = silu(gate) * up        x = act @ Wdown
@@ -99,7 +99,7 @@ static int layer_forward(const Shape *s, const Layer *l, const Step *st, const B
         head_rms_norm(b->qkv, l->q_norm, T, qkv_width, nh, hd, s->eps, bf16);
         head_rms_norm((char *)b->qkv + esize * q_width, l->k_norm, T, qkv_width, kvh, hd, s->eps, bf16);
     }
-    rope_inplace(b->qkv, st->cos, st->sin, st->positions, T, qkv_width, nh + kvh, hd, bf16);
+    if (!l->skip_rope) rope_inplace(b->qkv, st->cos, st->sin, st->positions, T, qkv_width, nh + kvh, hd, bf16);
     TIMER(2);
     /* The first num_own_writes tokens (one-token rows: decode) have the attention kernel write their K/V
      * just before it reads them (paged_attention.c, write_own_key); the others are written here. Not in
