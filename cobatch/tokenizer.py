@@ -7,6 +7,7 @@ Imports transformers but no torch-heavy part of cobatch, so the server can use i
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -16,6 +17,9 @@ from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
 
 _DETOKENIZE_CONTEXT = 5  # prompt tokens kept as context so the first outputs get their spaces right
+# GGUF architectures whose tokenizer transformers refuses to read ("not supported yet"), and the one whose
+# reading theirs is: their tokenizer.ggml.* keys are llama's (SentencePiece, or GPT-2 BPE as in Llama 3).
+_GGUF_TOKENIZER_ALIASES = {"smollm3": "llama"}
 
 
 class Tokenizer:
@@ -35,7 +39,7 @@ class Tokenizer:
         path = resolve_model_path(None if model is None else str(model))
         if not is_gguf(path):
             return cls(AutoTokenizer.from_pretrained(path), _generation_eos(path))
-        hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        hf = _gguf_hf_tokenizer(path)
         if not getattr(hf, "chat_template", None):
             hf.chat_template = _gguf_chat_template(path)
         return cls(hf)
@@ -81,6 +85,39 @@ def _generation_eos(path: Path) -> tuple[int, ...]:
         return ()
     eos = json.loads(gen.read_text()).get("eos_token_id")
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+def _gguf_hf_tokenizer(path: Path) -> object:
+    """transformers' tokenizer of a GGUF file; for an architecture it does not know (_GGUF_TOKENIZER_ALIASES),
+    read from a copy of the file's metadata (no tensors) under the alias's architecture."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    alias = _GGUF_TOKENIZER_ALIASES.get(str(gguf.GGUFReader(path).fields["general.architecture"].contents()))
+    if alias is None:
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_metadata_as(path, Path(tmp) / "metadata.gguf", alias)
+        return AutoTokenizer.from_pretrained(tmp, gguf_file="metadata.gguf")
+
+
+def write_metadata_as(path: Path, out: Path, architecture: str) -> None:
+    """A GGUF file holding `path`'s metadata and no tensors, its architecture (and the keys named after it)
+    renamed to `architecture`."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    old = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(str(out), architecture)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # the header's own, and what the writer was given
+        name = architecture + key[len(old):] if key.startswith(old + ".") else key
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
 
 
 def _gguf_chat_template(path: Path) -> str | None:

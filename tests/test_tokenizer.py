@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
+from cobatch.model_paths import resolve_model_path
 from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
-from cobatch.tokenizer import IncrementalDetokenizer, StopChecker, TextDelta, TextStream, Tokenizer
+from cobatch.tokenizer import IncrementalDetokenizer, StopChecker, TextDelta, TextStream, Tokenizer, write_metadata_as
 
 TEXT = "Héllo wörld 🤗🎉 世界! naïve café — ok 👩‍👩‍👧 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"
 
@@ -152,7 +154,6 @@ class GGUFVocab:
 def gguf_vocab() -> GGUFVocab:
     import gguf
 
-    from cobatch.model_paths import resolve_model_path
 
     fields = gguf.GGUFReader(resolve_model_path(None)).fields
     tokens = list(fields["tokenizer.ggml.tokens"].contents())
@@ -226,3 +227,14 @@ def test_gguf_chat_template_and_eos_match_the_file(tok: Tokenizer, gguf_vocab: G
     assert tok.hf.chat_template == gguf_vocab.chat_template
     assert tok.apply_chat_template(messages) == reference_encode(gguf_vocab, expected)
     assert tok.eos_token_ids == (gguf_vocab.eos_token_id,)
+
+
+def test_gguf_of_an_architecture_transformers_does_not_read(tok: Tokenizer, tmp_path: Path) -> None:
+    """A SmolLM3 GGUF (architecture smollm3, which transformers' GGUF reader refuses) takes its tokenizer
+    from its llama-style tokenizer keys: here the default model's metadata under that architecture."""
+    path = tmp_path / "smollm3.gguf"
+    write_metadata_as(resolve_model_path(None), path, "smollm3")
+    smollm3 = Tokenizer.load(path)
+    text = "Continuous batching, paged KV: ünïcode & spaces  too."
+    assert smollm3.encode(text) == tok.encode(text) and smollm3.vocab_size == tok.vocab_size
+    assert smollm3.eos_token_ids == tok.eos_token_ids and smollm3.has_chat_template
