@@ -154,7 +154,6 @@ class GGUFVocab:
 def gguf_vocab() -> GGUFVocab:
     import gguf
 
-
     fields = gguf.GGUFReader(resolve_model_path(None)).fields
     tokens = list(fields["tokenizer.ggml.tokens"].contents())
     types = list(fields["tokenizer.ggml.token_type"].contents())
