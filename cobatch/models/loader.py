@@ -370,12 +370,10 @@ def _gguf_rope_scaling(get: object, arch: str, tensors: list) -> RopeScaling | N
     kind = get(f"{arch}.rope.scaling.type")  # type: ignore[operator]
     if kind in (None, "none"):
         return None
-    factor = float(get(f"{arch}.rope.scaling.factor"))  # type: ignore[operator]
-    if kind == "yarn":
-        return _gguf_yarn(get, arch, factor)
-    if kind != "linear":
+    if kind not in ("linear", "yarn"):
         raise ValueError(f"unsupported GGUF rope scaling {kind!r}; supported: linear, yarn (or none)")
-    return RopeScaling(rope_type="linear", factor=factor)
+    factor = float(get(f"{arch}.rope.scaling.factor"))  # type: ignore[operator]
+    return _gguf_yarn(get, arch, factor) if kind == "yarn" else RopeScaling(rope_type="linear", factor=factor)
 
 
 def _gguf_yarn(get: object, arch: str, factor: float) -> RopeScaling:
