@@ -10,7 +10,8 @@ parts through the torch profiler, which runs the Python layer loop instead of th
     MODEL=/tmp/llama_cpp_shapes/qwen2.5-0.5b-q8_0.gguf DTYPE=auto NT=1 .venv/bin/python scripts/kernel_timers.py 1:64
 
 MODEL: an HF folder or .gguf file (default: the bundled model); DTYPE: bfloat16 (default), float32 or auto;
-NT: compute threads (default: the engine's).
+QUANT: q8_0 or q4_0, the engine's --quantization; NT: compute threads
+(default: the engine's).
 
 Arguments: B:CTX (decode rows with CTX cached tokens each) or prefill:N:L (N fresh prompts of L tokens).
 Not a benchmark of record: a tool for kernel work (run it alone; the machine is shared).
@@ -43,7 +44,8 @@ def main() -> None:
     args = sys.argv[1:] or ["1:256", "32:256", "64:256", "prefill:12:170"]
     threads = int(os.environ["NT"]) if os.environ.get("NT") else None
     runner = ModelRunner.load(EngineConfig(model=os.environ.get("MODEL"), dtype=os.environ.get("DTYPE", "bfloat16"),
-                                           num_threads=threads, thread_policy="fixed", max_num_batched_tokens=8192))
+                                           num_threads=threads, thread_policy="fixed", max_num_batched_tokens=8192,
+                                           quantization=os.environ.get("QUANT") or None))
     decoder = runner.native_decoder
     timed = decoder.with_timers() if decoder is not None else None
     if timed is None:

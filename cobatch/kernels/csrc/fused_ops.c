@@ -14,6 +14,7 @@
 #include <math.h>
 
 #include "cobatch_kernels.h"
+#include "parallel.h"
 
 #define ROPE_MAX_HALF 256  /* head_dim <= 512; fused_ops.py falls back to torch beyond */
 
@@ -151,17 +152,21 @@ static void rotate_head_avx512(uint16_t *lo, uint16_t *hi, const uint16_t *c, co
  * row loop once per dtype with a constant flag, so the compiler specialises (and vectorises) one copy per
  * dtype. (A flag tested inside one OpenMP region would not do: the region is outlined before inlining.) */
 #define SPECIALISE static inline __attribute__((always_inline))
-#define PARALLEL_ROWS(rows, work)                                                  \
-    int parallel = (work) >= 4096; /* below: a fork costs more (measured at 512 / 1536 / 4096 / 65536) */ \
-    _Pragma("omp parallel for schedule(static) if (parallel)")                      \
-    for (int64_t r = 0; r < (rows); r++)
-#define FOR_EACH_DTYPE(rows, work, row_call) \
-    do {                                      \
-        if (is_bf16) {                        \
-            PARALLEL_ROWS(rows, work) row_call(1); \
-        } else {                              \
-            PARALLEL_ROWS(rows, work) row_call(0); \
-        }                                     \
+/* for r in [0, rows): the statements after `work`, on OpenMP's team when the work (elements) pays for a fork
+ * (below 4096 a fork costs more: measured at 512 / 1536 / 4096 / 65536), else inline (parallel.h). */
+#define FOR_ROWS(rows, work, ...)                                        \
+    do {                                                                 \
+        if ((work) >= 4096 && omp_get_max_threads() > 1) {               \
+            _Pragma("omp parallel for schedule(static)")                 \
+            for (int64_t r = 0; r < (rows); r++) { __VA_ARGS__; }        \
+        } else {                                                         \
+            for (int64_t r = 0; r < (rows); r++) { __VA_ARGS__; }        \
+        }                                                                \
+    } while (0)
+#define FOR_EACH_DTYPE(rows, work, row_call)          \
+    do {                                              \
+        if (is_bf16) FOR_ROWS(rows, work, row_call(1)); \
+        else FOR_ROWS(rows, work, row_call(0));         \
     } while (0)
 
 /* Row r: residual += x (rounded to the dtype), then out = weight * dtype(residual * rsqrt(mean(sq) + eps)). */
@@ -189,10 +194,10 @@ void add_rms_norm(const void *x, void *residual, const void *weight, void *out, 
                   float eps, int is_bf16) {
 #if HAVE_AVX512_BF16_ROWS
     if (is_bf16) {
-        PARALLEL_ROWS(rows, rows * hidden)
-            add_rms_norm_row_avx512(x != NULL ? (const uint16_t *)x + r * hidden : NULL,
-                                    (uint16_t *)residual + r * hidden, weight, (uint16_t *)out + r * hidden,
-                                    hidden, eps);
+        FOR_ROWS(rows, rows * hidden,
+                 add_rms_norm_row_avx512(x != NULL ? (const uint16_t *)x + r * hidden : NULL,
+                                         (uint16_t *)residual + r * hidden, weight, (uint16_t *)out + r * hidden,
+                                         hidden, eps));
         return;
     }
 #endif
@@ -242,10 +247,9 @@ SPECIALISE void silu_mul_row(const void *restrict gate_up, void *restrict out, i
 void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int is_bf16) {
 #if HAVE_AVX512_BF16_ROWS
     if (is_bf16) {
-        PARALLEL_ROWS(rows, rows * inter) {
-            const uint16_t *gate = (const uint16_t *)gate_up + r * 2 * inter;
-            silu_mul_row_avx512(gate, gate + inter, (uint16_t *)out + r * inter, inter);
-        }
+        FOR_ROWS(rows, rows * inter,
+                 const uint16_t *gate = (const uint16_t *)gate_up + r * 2 * inter;
+                 silu_mul_row_avx512(gate, gate + inter, (uint16_t *)out + r * inter, inter));
         return;
     }
 #endif
@@ -319,14 +323,13 @@ void rope_inplace(void *x, const void *cos_table, const void *sin_table, const i
 #if HAVE_AVX512_BF16_ROWS
     if (is_bf16 && head_dim % 32 == 0) {
         const int64_t half = head_dim / 2;
-        PARALLEL_ROWS(rows, rows * num_heads * head_dim) {
-            const uint16_t *c = (const uint16_t *)cos_table + positions[r] * half;
-            const uint16_t *s = (const uint16_t *)sin_table + positions[r] * half;
-            for (int64_t h = 0; h < num_heads; h++) {
-                uint16_t *lo = (uint16_t *)x + r * row_stride + h * head_dim;
-                rotate_head_avx512(lo, lo + half, c, s, half);
-            }
-        }
+        FOR_ROWS(rows, rows * num_heads * head_dim,
+                 const uint16_t *c = (const uint16_t *)cos_table + positions[r] * half;
+                 const uint16_t *s = (const uint16_t *)sin_table + positions[r] * half;
+                 for (int64_t h = 0; h < num_heads; h++) {
+                     uint16_t *lo = (uint16_t *)x + r * row_stride + h * head_dim;
+                     rotate_head_avx512(lo, lo + half, c, s, half);
+                 });
         return;
     }
 #endif

@@ -21,6 +21,7 @@
 #include <omp.h>
 
 #include "cobatch_kernels.h"
+#include "parallel.h"
 
 #define NR 16  /* output columns per panel (one zmm of fp32) */
 #define MR 8   /* input rows per micro-tile */
@@ -250,10 +251,6 @@ static inline int64_t next_task(Run *runs, int threads, int me, int *own) {
     return task;
 }
 
-static inline int team_size(int num_threads, int64_t tasks) {
-    int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
-    return threads > tasks ? (int)tasks : threads;
-}
 
 /* Software prefetch of the next group: with single panels always (their NZ streams); with sequential
  * groups from PF_MIN_M rows on, into L2 below PF_L1_MIN_M (see the constants). */
@@ -263,27 +260,55 @@ static inline void prefetch_policy(GemmArgs *a) {
     a->to_l2 = sequential && a->M < PF_L1_MIN_M;
 }
 
+/* A thread's tasks of run_gemm (next_task): each group's rows, with the group PF_AHEAD ahead prefetched. */
+static void gemm_tasks(GemmArgs *a, Run *runs, int threads) {
+    const int64_t M = a->M, N = a->N, K = a->K, esize = a->kernel->esize, chunks = (M + MC - 1) / MC;
+    int own, me = omp_get_thread_num();
+    for (int64_t task; (task = next_task(runs, threads, me, &own)) >= 0;) {
+        int64_t g = task / chunks, c = task % chunks;
+        int64_t m0 = c * MC, m1 = m0 + MC < M ? m0 + MC : M;
+        /* prefetch the next group when this is the last chunk of the group and the next is ours */
+        const void *next = NULL;
+        if (a->prefetch && own && c == chunks - 1 && task + PF_AHEAD < run_end(&runs[me])
+            && (g + PF_AHEAD) * NZ < N / NR)
+            next = (const char *)a->wp + esize * (g + PF_AHEAD) * NZ * K * NR;
+        group_rows(a, m0, m1 - m0, g, (char *)a->y + a->kernel->xsize * (m0 * N + g * NZ * NR), N, next);
+    }
+}
+
 /* y [M, N] = x [M, K] W^T (+ bias): tasks are (panel group, chunk of MC rows), group-major. */
 static void run_gemm(GemmArgs *a, int num_threads) {
-    const int64_t M = a->M, N = a->N, K = a->K, esize = a->kernel->esize;
-    const int64_t groups = (N / NR + NZ - 1) / NZ, chunks = (M + MC - 1) / MC, tasks = groups * chunks;
+    const int64_t groups = (a->N / NR + NZ - 1) / NZ, chunks = (a->M + MC - 1) / MC, tasks = groups * chunks;
     prefetch_policy(a);
     const int threads = team_size(num_threads, tasks);
     Run runs[threads];
     init_runs(runs, threads, tasks);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int own, me = omp_get_thread_num();
-        for (int64_t task; (task = next_task(runs, threads, me, &own)) >= 0;) {
-            int64_t g = task / chunks, c = task % chunks;
-            int64_t m0 = c * MC, m1 = m0 + MC < M ? m0 + MC : M;
-            /* prefetch the next group when this is the last chunk of the group and the next is ours */
-            const void *next = NULL;
-            if (a->prefetch && own && c == chunks - 1 && task + PF_AHEAD < run_end(&runs[me])
-                && (g + PF_AHEAD) * NZ < N / NR)
-                next = (const char *)a->wp + esize * (g + PF_AHEAD) * NZ * K * NR;
-            group_rows(a, m0, m1 - m0, g, (char *)a->y + a->kernel->xsize * (m0 * N + g * NZ * NR), N, next);
+    RUN_TEAM(threads, gemm_tasks(a, runs, threads));
+}
+
+/* A thread's tasks of run_gemm_silu (next_task). */
+static void gemm_silu_tasks(GemmArgs *a, Run *runs, int threads) {
+    const int64_t M = a->M, inter = a->N / 2, width = NZ * NR, K = a->K, esize = a->kernel->esize;
+    const int64_t pairs = inter / width, chunks = (M + MC - 1) / MC;
+    _Alignas(64) float gate[MC * NZ * NR], up[MC * NZ * NR];  /* fp32-sized: either dtype fits */
+    int own, me = omp_get_thread_num();
+    for (int64_t task; (task = next_task(runs, threads, me, &own)) >= 0;) {
+        int64_t j = task / chunks, c = task % chunks;
+        int64_t m0 = c * MC, rows = (m0 + MC < M ? MC : M - m0);
+        /* prefetch the next group this thread has not read yet, as run_gemm does: with one task per
+         * pair, the pair's up group, then the next pair's gate (if that task is ours); else, at a
+         * pair's last chunk, the next pair's two groups */
+        const int next_ours = own && task + 1 < run_end(&runs[me]);
+        const void *next[2] = {NULL, NULL};
+        for (int h = 0; h < 2 && a->prefetch && (chunks == 1 || c == chunks - 1); h++) {
+            int64_t g = chunks == 1 ? 2 * j + h + 1 : 2 * j + h + 2;
+            if ((chunks == 1 && h == 0) || (next_ours && g < 2 * pairs))
+                next[h] = (const char *)a->wp + esize * g * NZ * K * NR;
         }
+        group_rows(a, m0, rows, 2 * j, gate, width, next[0]);
+        group_rows(a, m0, rows, 2 * j + 1, up, width, next[1]);
+        a->kernel->silu_rows(gate, up, (char *)a->y + a->kernel->xsize * (m0 * inter + j * width), rows, width,
+                             width, inter);
     }
 }
 
@@ -295,35 +320,12 @@ static void run_gemm(GemmArgs *a, int num_threads) {
  * step's [M, 2 inter] gate/up output (12.5 MB at 2k tokens here, bf16) is no longer written out and read
  * back; each slice is consumed from L1/L2 while hot. a->N = 2 inter; a->y = act. */
 static void run_gemm_silu(GemmArgs *a, int num_threads) {
-    const int64_t M = a->M, inter = a->N / 2, width = NZ * NR, K = a->K, esize = a->kernel->esize;
-    const int64_t pairs = inter / width, chunks = (M + MC - 1) / MC, tasks = pairs * chunks;
+    const int64_t tasks = a->N / 2 / (NZ * NR) * ((a->M + MC - 1) / MC);
     prefetch_policy(a);
     const int threads = team_size(num_threads, tasks);
     Run runs[threads];
     init_runs(runs, threads, tasks);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        _Alignas(64) float gate[MC * NZ * NR], up[MC * NZ * NR];  /* fp32-sized: either dtype fits */
-        int own, me = omp_get_thread_num();
-        for (int64_t task; (task = next_task(runs, threads, me, &own)) >= 0;) {
-            int64_t j = task / chunks, c = task % chunks;
-            int64_t m0 = c * MC, rows = (m0 + MC < M ? MC : M - m0);
-            /* prefetch the next group this thread has not read yet, as run_gemm does: with one task per
-             * pair, the pair's up group, then the next pair's gate (if that task is ours); else, at a
-             * pair's last chunk, the next pair's two groups */
-            const int next_ours = own && task + 1 < run_end(&runs[me]);
-            const void *next[2] = {NULL, NULL};
-            for (int h = 0; h < 2 && a->prefetch && (chunks == 1 || c == chunks - 1); h++) {
-                int64_t g = chunks == 1 ? 2 * j + h + 1 : 2 * j + h + 2;
-                if ((chunks == 1 && h == 0) || (next_ours && g < 2 * pairs))
-                    next[h] = (const char *)a->wp + esize * g * NZ * K * NR;
-            }
-            group_rows(a, m0, rows, 2 * j, gate, width, next[0]);
-            group_rows(a, m0, rows, 2 * j + 1, up, width, next[1]);
-            a->kernel->silu_rows(gate, up, (char *)a->y + a->kernel->xsize * (m0 * inter + j * width), rows, width,
-                                 width, inter);
-        }
-    }
+    RUN_TEAM(threads, gemm_silu_tasks(a, runs, threads));
 }
 
 /* Rows ids[0..n) of the weight a packed [N, K] tensor holds, into out [n, K] (a tied embedding table's

@@ -93,6 +93,7 @@
  * -DQUANT_SCALAR) as plain C on 16-lane vectors.
  */
 #include "cobatch_kernels.h"
+#include "parallel.h"
 
 #include <math.h>
 #include <omp.h>
@@ -1293,6 +1294,40 @@ static void finish_rows(const float *tmp, int64_t rows, int64_t width, const voi
     }
 }
 
+/* One gemm_quant call: its arguments, x's quantized rows and its tasks, (group of panels, chunk of rows). */
+typedef struct {
+    const void *x, *bias;
+    const uint8_t *wq;
+    void *y;
+    int qtype, is_bf16, single, gz;
+    int64_t M, N, K, panels, groups, chunks, tasks;
+    QuantRows r;
+} QuantCall;
+
+/* A thread's share of a call: its rows of x quantized, then its tasks (static order), each with the next
+ * task's first panels prefetched. Orphaned worksharing: a team runs it, or one thread alone (run_team). */
+static void quant_call_run(QuantCall *c) {
+    const int qtype = c->qtype, is_bf16 = c->is_bf16, gz = c->gz;
+    const int64_t M = c->M, N = c->N, K = c->K, panels = c->panels, groups = c->groups, chunks = c->chunks;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) quantize_row(c->x, is_bf16, m, &c->r);
+    float tmp[MC * NZ * NR];
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < c->tasks; task++) {
+        const int64_t g = task / chunks, m0 = task % chunks * MC, rows = M - m0 < MC ? M - m0 : MC;
+        const int nz = (int)(panels - g * gz < gz ? panels - g * gz : gz);
+        void *y0 = (char *)c->y + (is_bf16 ? 2 : 4) * (size_t)(m0 * N);
+        float *out = is_bf16 ? tmp : (float *)y0 + g * gz * NR;
+        /* this thread's next task (static order): the next group, once this is the last chunk */
+        const int64_t nz_next = g + 1 < groups ? (panels - (g + 1) * gz < gz ? panels - (g + 1) * gz : gz) : 0;
+        const int is_last_chunk = m0 + MC >= M;
+        const uint8_t *next = is_last_chunk && nz_next ? panel_block(qtype, c->wq, K, (g + 1) * gz, 0) : NULL;
+        tile_rows(qtype, &c->r, m0, rows, c->wq, K, g * gz, nz, out, is_bf16 ? nz * NR : N, next,
+                  nz_next * (K / BLOCK_K[qtype]) * PANEL_BYTES[qtype], prefetch_blocks(qtype, c->single));
+        if (is_bf16 || c->bias != NULL) finish_rows(tmp, rows, nz * NR, c->bias, y0, N, g * gz * NR, is_bf16);
+    }
+}
+
 /* x [M, K] (fp32, or bf16 with is_bf16), the packed weight (layout above), bias [N] (x's dtype) or NULL ->
  * y [M, N] in x's dtype. Returns 0, -1 out of memory, -2 bad shape. */
 int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
@@ -1309,29 +1344,8 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
     /* a group: the panels of one task (one in single-stream mode) */
     const int single = M <= single_stream_rows[qtype], gz = single ? 1 : NZ;
     const int64_t panels = N / NR, groups = (panels + gz - 1) / gz, chunks = (M + MC - 1) / MC;
-    const int64_t tasks = groups * chunks;
-    int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
-    if (threads > tasks) threads = (int)tasks;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_row(x, is_bf16, m, &r);
-        float tmp[MC * NZ * NR];
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < tasks; task++) {
-            const int64_t g = task / chunks, m0 = task % chunks * MC, rows = M - m0 < MC ? M - m0 : MC;
-            const int nz = (int)(panels - g * gz < gz ? panels - g * gz : gz);
-            void *y0 = (char *)y + (is_bf16 ? 2 : 4) * (size_t)(m0 * N);
-            float *out = is_bf16 ? tmp : (float *)y0 + g * gz * NR;
-            /* this thread's next task (static order): the next group, once this is the last chunk */
-            const int64_t nz_next = g + 1 < groups ? (panels - (g + 1) * gz < gz ? panels - (g + 1) * gz : gz) : 0;
-            const int is_last_chunk = m0 + MC >= M;
-            const uint8_t *next = is_last_chunk && nz_next ? panel_block(qtype, wq, K, (g + 1) * gz, 0) : NULL;
-            tile_rows(qtype, &r, m0, rows, (const uint8_t *)wq, K, g * gz, nz, out, is_bf16 ? nz * NR : N, next,
-                      nz_next * (K / BLOCK_K[qtype]) * PANEL_BYTES[qtype], prefetch_blocks(qtype, single));
-            if (is_bf16 || bias != NULL) finish_rows(tmp, rows, nz * NR, bias, y0, N, g * gz * NR, is_bf16);
-        }
-    }
+    QuantCall call = {x, bias, wq, y, qtype, is_bf16, single, gz, M, N, K, panels, groups, chunks, groups * chunks, r};
+    RUN_TEAM(team_size(num_threads, call.tasks), quant_call_run(&call));
     free(r.q), free(r.d), free(r.s), free(r.s16);
     return 0;
 }

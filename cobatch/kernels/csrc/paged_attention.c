@@ -50,6 +50,7 @@
 #include <stdlib.h>
 
 #include "cobatch_kernels.h"
+#include "parallel.h"
 
 #if HAVE_AVX512
 #include <immintrin.h>
@@ -699,6 +700,25 @@ static int64_t make_items(const Attn *a, const int64_t *tiles, int num_tiles, in
     return n;
 }
 
+/* A thread's share of the work items (dynamic schedule), with its own scratch of `bytes`; *failed = 1 if
+ * that could not be allocated. */
+static void run_items(const Attn *a, const int64_t *tiles, const int64_t (*items)[3], int64_t num_items,
+                      int64_t max_queries, int64_t bytes, int is_bf16, int *failed) {
+    char *buf = aligned_alloc(64, (bytes + 63) & ~(int64_t)63);
+    if (buf == NULL) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t k = 0; k < num_items; k++) {
+        if (buf == NULL) continue;
+        const Tile *t = (const Tile *)(tiles + 4 * items[k][0]);
+        const int own_write = items[k][0] < a->num_own_writes && t->num_tokens == 1;
+        run_item(a, t, (int)items[k][1], (int)items[k][2], own_write, buf, max_queries, is_bf16);
+    }
+    free(buf);
+}
+
 /* Parallel over work items, dynamic schedule. Returns 0, or -1 if scratch could not be allocated. */
 static int run(const Attn *a, const int64_t *tiles, int num_tiles, int is_bf16) {
     int64_t (*items)[3] = malloc(sizeof(*items) * ((size_t)num_tiles * a->num_kv_heads + 1));
@@ -706,19 +726,8 @@ static int run(const Attn *a, const int64_t *tiles, int num_tiles, int is_bf16) 
     int64_t max_queries, num_items = make_items(a, tiles, num_tiles, items, &max_queries);
     int64_t bytes = scratch_bytes(a, max_queries, is_bf16);
     int failed = 0;
-#pragma omp parallel reduction(|:failed)
-    {
-        char *buf = aligned_alloc(64, (bytes + 63) & ~(int64_t)63);
-        failed = buf == NULL;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t k = 0; k < num_items; k++) {
-            if (buf == NULL) continue;
-            const Tile *t = (const Tile *)(tiles + 4 * items[k][0]);
-            const int own_write = items[k][0] < a->num_own_writes && t->num_tokens == 1;
-            run_item(a, t, (int)items[k][1], (int)items[k][2], own_write, buf, max_queries, is_bf16);
-        }
-        free(buf);
-    }
+    RUN_TEAM(team_size(0, num_items), run_items(a, tiles, (const int64_t (*)[3])items, num_items, max_queries,
+                                                bytes, is_bf16, &failed));
     free(items);
     return failed ? -1 : 0;
 }
@@ -795,16 +804,24 @@ static inline void write_key(const Attn *a, const char *krow, const char *vrow, 
  * slot_mapping[i]: the kernel layout where use_fast_path holds, else [blocks, block_size, kv heads,
  * head_dim]. Every write to a cache this kernel reads goes through here or write_own_key (the same
  * write_key), so writer and reader agree. */
+/* write_kv's rows, a thread's share of them (orphaned worksharing: a team runs it, or one thread alone). */
+static void write_rows(const Attn *a, const char *k, int64_t k_bytes, const char *v, int64_t v_bytes, void *k_cache,
+                       void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int fast, int is_bf16) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < num_tokens; i++)
+        write_slot(a, k + i * k_bytes, v + i * v_bytes, k_cache, v_cache, slot_mapping[i], 0, a->num_kv_heads, fast,
+                   is_bf16);
+}
+
 static void write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_cache,
                      void *v_cache, const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
                      int head_dim, int block_size, int is_bf16) {
     Attn a = {0};
     a.num_kv_heads = num_kv_heads, a.head_dim = head_dim, a.block_size = block_size;
     const int fast = use_fast_path(&a, is_bf16), size = is_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if (num_tokens >= 256)
-    for (int64_t i = 0; i < num_tokens; i++)
-        write_slot(&a, (const char *)k + i * k_stride * size, (const char *)v + i * v_stride * size, k_cache,
-                   v_cache, slot_mapping[i], 0, num_kv_heads, fast, is_bf16);
+    RUN_TEAM(num_tokens >= 256 ? team_size(0, num_tokens) : 1,
+             write_rows(&a, k, k_stride * size, v, v_stride * size, k_cache, v_cache, slot_mapping, num_tokens, fast,
+                        is_bf16));
 }
 
 void paged_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
