@@ -72,11 +72,15 @@ class StepTimeModel:
     decay: float = 0.995
     ridge: float = 1e-9
     min_samples: int = 8
+    # Steps observed between refits: a fit is ~45 us of Python, read a few times a step (the scheduler's
+    # predictions, the published stats) beside decode steps of a few ms, and with decay 0.995 (a memory of
+    # ~200 steps) eight more steps hardly move it.
+    refit_every: int = 8
     num_samples: int = 0
     coefficients: tuple[float, ...] = NO_COEFFICIENTS  # the last fit (fitted_coefficients: current)
     _xtx: list[list[float]] | None = None
     _xty: list[float] | None = None
-    _dirty: bool = False
+    _fitted_at: int = -1  # num_samples at the last fit
 
     def observe(self, num_rows: int, num_tokens: int, num_context_tokens: int,
                 duration_s: float) -> None:
@@ -91,7 +95,6 @@ class StepTimeModel:
             for j in range(NUM_FEATURES):
                 row[j] = self.decay * row[j] + x[i] * x[j]
         self.num_samples += 1
-        self._dirty = True
 
     def fit(self) -> tuple[float, ...]:
         """Solve the normal equations with non-negative coefficients (time never shrinks)."""
@@ -106,7 +109,7 @@ class StepTimeModel:
         matrix = [[v + (self.ridge * (self._xtx[i][i] or top) if i == j and i > 0 else 0.0)
                    for j, v in enumerate(row)] for i, row in enumerate(self._xtx)]
         self.coefficients = solve_nonnegative(matrix, self._xty)
-        self._dirty = False
+        self._fitted_at = self.num_samples
         return self.coefficients
 
     @property
@@ -115,10 +118,11 @@ class StepTimeModel:
 
     @property
     def fitted_coefficients(self) -> tuple[float, ...]:
-        """(c0, c1, c2, c3) as predict uses them: all zero until is_ready (what stats publish)."""
+        """(c0, c1, c2, c3) as predict uses them: all zero until is_ready (what stats publish), then refit
+        every refit_every steps."""
         if not self.is_ready:
             return NO_COEFFICIENTS
-        if self._dirty:
+        if self._fitted_at < self.min_samples or self.num_samples - self._fitted_at >= self.refit_every:
             self.fit()
         return self.coefficients
 

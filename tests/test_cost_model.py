@@ -135,3 +135,18 @@ def test_a_negative_slope_is_refitted_away_not_clamped() -> None:
     assert min(fitted) >= 0.0
     assert squared_error(fitted) < squared_error(clamped) / 20
     assert predict_with(fitted, 4, 4, 3200) == pytest.approx(0.03 + 0.024 * 4, rel=0.1)
+
+
+def test_fitted_coefficients_refit_every_refit_every_steps_not_on_each_read() -> None:
+    model = StepTimeModel(decay=1.0, refit_every=4)
+    steps = mixed_steps(40)
+    for s in steps[:8]:
+        model.observe(*s)
+    first = model.fitted_coefficients  # ready: fitted now
+    for rows, tokens, context, _ in steps[8:11]:  # the machine slows down threefold
+        model.observe(rows, tokens, context, 3 * true_time(rows, tokens, context))
+        assert model.fitted_coefficients == first  # 3 steps since the fit: the last fit stands
+    model.observe(*steps[11][:3], 3 * true_time(*steps[11][:3]))
+    refit = model.fitted_coefficients
+    assert refit != first and refit == model.fit()
+    assert predict_with(refit, 8, 8, 800) > 1.2 * predict_with(first, 8, 8, 800)
