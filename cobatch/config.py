@@ -8,10 +8,13 @@ same declarations. The options the scheduler shares with the user live in `Sched
 from __future__ import annotations
 
 import functools
+import logging
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Literal, TypeVar
+
+logger = logging.getLogger(__name__)
 
 Batching = Literal["continuous", "static"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -149,7 +152,8 @@ class EngineConfig(SchedulingOptions):
     max_num_batched_tokens: int | None = _option(None, "token budget of one step (default: 2048, or "
                                                  "max_model_len if larger without chunked prefill)",
                                                  _positive)
-    max_model_len: int | None = _option(None, "longest prompt + output (default: the model's)", _positive)
+    max_model_len: int | None = _option(None, "longest prompt + output (default: the model's, at most the KV "
+                                        "cache's tokens)", _positive)
     seed: int = _option(0, "seed of the sampler for requests without a seed of their own")
     num_threads: int | None = _option(None, "torch CPU threads (default: torch's choice); with the "
                                       "adaptive thread policy, the most it uses", _positive)
@@ -163,7 +167,15 @@ class EngineConfig(SchedulingOptions):
 
     def scheduler_config(self, num_kv_blocks: int, num_swap_blocks: int,
                          max_model_len: int) -> SchedulerConfig:
-        """The scheduler's view, once the pools are sized and the model length is known."""
+        """The scheduler's view, once the pools are sized and the model length is known. With no
+        --max-model-len, a model whose length (e.g. Llama 3.2's 131072) one sequence of could not hold in
+        the KV cache is served at the KV cache's length, with a warning, rather than refused."""
+        kv_cache_tokens = num_kv_blocks * self.block_size
+        if self.max_model_len is None and max_model_len > kv_cache_tokens:
+            logger.warning("max_model_len %d: the model's %d tokens do not fit the KV cache (%d blocks of %d); "
+                           "--kv-cache-memory-gb or --num-kv-blocks raise it", kv_cache_tokens, max_model_len,
+                           num_kv_blocks, self.block_size)
+            max_model_len = kv_cache_tokens
         default_budget = max(2048, max_model_len) if not self.enable_chunked_prefill else 2048
         shared = {f.name: getattr(self, f.name) for f in fields(SchedulingOptions)}
         return SchedulerConfig(**shared, num_kv_blocks=num_kv_blocks, num_swap_blocks=num_swap_blocks,

@@ -99,3 +99,15 @@ def test_scheduler_config_takes_the_shared_options_as_they_are() -> None:
         assert getattr(sched, f.name) == getattr(config, f.name), f.name
     assert (sched.num_kv_blocks, sched.num_swap_blocks, sched.max_model_len) == (100, 5, 1024)
     assert sched.max_num_batched_tokens == 2048  # the default budget (chunked prefill off, 1024 <= 2048)
+
+
+def test_a_model_longer_than_the_kv_cache_is_served_at_its_length_unless_asked_for(caplog) -> None:
+    kv_cache_tokens = 64 * EngineConfig().block_size
+    with caplog.at_level("WARNING", logger="cobatch.config"):
+        sched = EngineConfig().scheduler_config(num_kv_blocks=64, num_swap_blocks=0, max_model_len=131072)
+    assert sched.max_model_len == kv_cache_tokens and "do not fit the KV cache" in caplog.text
+    fits = EngineConfig().scheduler_config(num_kv_blocks=64, num_swap_blocks=0, max_model_len=512)
+    assert fits.max_model_len == 512
+    asked = EngineConfig(max_model_len=131072)  # an explicit length the cache cannot hold stays an error
+    with pytest.raises(ValueError, match="raise the KV cache size or lower max_model_len"):
+        asked.scheduler_config(num_kv_blocks=64, num_swap_blocks=0, max_model_len=131072)
