@@ -88,16 +88,25 @@ def _generation_eos(path: Path) -> tuple[int, ...]:
 
 
 def _gguf_hf_tokenizer(path: Path) -> object:
-    """transformers' tokenizer of a GGUF file; for an architecture it does not know (_GGUF_TOKENIZER_ALIASES),
-    read from a copy of the file's metadata (no tensors) under the alias's architecture."""
+    """transformers' tokenizer of a GGUF file; for an architecture it does not read (_GGUF_TOKENIZER_ALIASES),
+    read from a copy of the file's metadata (no tensors) under the alias's architecture. transformers is
+    asked first: gguf-py's reader takes seconds on a large vocabulary (~4.5 s at 128k tokens here), so the
+    file's architecture is read only when transformers refuses it."""
     import gguf
     from transformers import AutoTokenizer
 
-    alias = _GGUF_TOKENIZER_ALIASES.get(str(gguf.GGUFReader(path).fields["general.architecture"].contents()))
-    if alias is None:
+    try:
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except ValueError as exc:
+        if "is not supported" not in str(exc):
+            raise
+        refused = exc
+    reader = gguf.GGUFReader(path)
+    alias = _GGUF_TOKENIZER_ALIASES.get(str(reader.fields["general.architecture"].contents()))
+    if alias is None:
+        raise refused
     with tempfile.TemporaryDirectory() as tmp:
-        write_metadata_as(path, Path(tmp) / "metadata.gguf", alias)
+        _write_metadata_as(reader, Path(tmp) / "metadata.gguf", alias)
         return AutoTokenizer.from_pretrained(tmp, gguf_file="metadata.gguf")
 
 
@@ -106,10 +115,17 @@ def write_metadata_as(path: Path, out: Path, architecture: str) -> None:
     renamed to `architecture`."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    old = str(reader.fields["general.architecture"].contents())
+    _write_metadata_as(gguf.GGUFReader(path), out, architecture)
+
+
+def _write_metadata_as(reader: object, out: Path, architecture: str) -> None:
+    """write_metadata_as from a gguf.GGUFReader already open."""
+    import gguf
+
+    fields = reader.fields  # type: ignore[attr-defined]
+    old = str(fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(out), architecture)
-    for key, field in reader.fields.items():
+    for key, field in fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue  # the header's own, and what the writer was given
         name = architecture + key[len(old):] if key.startswith(old + ".") else key
