@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from cobatch import tokenizer_cache
 from cobatch.model_paths import is_gguf, resolve_model_path
 from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
@@ -33,15 +34,19 @@ class Tokenizer:
 
     @classmethod
     def load(cls, model: str | Path | None = None) -> Tokenizer:
-        """Load the tokenizer of `model` (None: the default model); takes a few seconds for GGUF."""
+        """Load the tokenizer of `model` (None: the default model); a GGUF file's takes seconds the first time
+        (tokenizer_cache)."""
         from transformers import AutoTokenizer
 
         path = resolve_model_path(None if model is None else str(model))
         if not is_gguf(path):
             return cls(AutoTokenizer.from_pretrained(path), _generation_eos(path))
-        hf = _gguf_hf_tokenizer(path)
-        if not getattr(hf, "chat_template", None):
-            hf.chat_template = _gguf_chat_template(path)
+        hf = tokenizer_cache.load_cached(path)
+        if hf is None:
+            hf = _gguf_hf_tokenizer(path)
+            if not getattr(hf, "chat_template", None):
+                hf.chat_template = _gguf_chat_template(path)
+            tokenizer_cache.keep(path, hf)
         return cls(hf)
 
     @property

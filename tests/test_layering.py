@@ -55,6 +55,7 @@ FORBIDDEN: dict[str, set[str]] = {
                                   KERNELS},
     "cobatch.structured_output.grammar_spec": {"torch", "cobatch.tokenizer"},
     "cobatch.model_paths": {"torch", "cobatch"},  # locating files: the tokenizer and server use it
+    "cobatch.tokenizer_cache": {"torch", "cobatch"},  # the tokenizer's saved copies: no model
     "cobatch.testing": {"cobatch.server"},
     # the live views' records and the traces built from them: the loop side of the engine, no model
     **{m: {"torch", "cobatch.server", "cobatch.engine", "cobatch.runner", "cobatch.models", "cobatch.kernels",

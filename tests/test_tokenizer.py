@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cobatch import tokenizer_cache
 from cobatch.model_paths import resolve_model_path
 from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
@@ -237,3 +238,33 @@ def test_gguf_of_an_architecture_transformers_does_not_read(tok: Tokenizer, tmp_
     text = "Continuous batching, paged KV: ünïcode & spaces  too."
     assert smollm3.encode(text) == tok.encode(text) and smollm3.vocab_size == tok.vocab_size
     assert smollm3.eos_token_ids == tok.eos_token_ids and smollm3.has_chat_template
+
+
+def test_a_gguf_tokenizer_is_built_once_then_read_back_the_same(tok: Tokenizer, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"  # the default model's tokenizer, in a file of its own
+    write_metadata_as(resolve_model_path(None), path, "llama")
+    assert tokenizer_cache.load_cached(path) is None
+    built = Tokenizer.load(path)  # built from the file, and saved
+    assert tokenizer_cache.load_cached(path) is not None
+    again = Tokenizer.load(path)  # read back
+    messages = [{"role": "user", "content": TEXT}]
+    for t in (built, again):
+        assert t.encode(TEXT) == tok.encode(TEXT) and t.decode(tok.encode(TEXT)) == tok.decode(tok.encode(TEXT))
+        assert t.apply_chat_template(messages) == tok.apply_chat_template(messages)
+        assert (t.eos_token_ids, t.vocab_size) == (tok.eos_token_ids, tok.vocab_size)
+    path.touch()  # a changed file is not read from its old copy
+    assert tokenizer_cache.load_cached(path) is None
+
+
+def test_the_tokenizer_cache_keeps_the_most_recently_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenizer_cache, "MAX_ENTRIES", 2)
+    paths = [tmp_path / f"model{i}.gguf" for i in range(3)]
+    for path in paths:
+        write_metadata_as(resolve_model_path(None), path, "llama")
+    for path in paths:
+        Tokenizer.load(path)
+    assert tokenizer_cache.load_cached(paths[0]) is None  # the oldest, evicted
+    assert all(tokenizer_cache.load_cached(p) is not None for p in paths[1:])
