@@ -1305,7 +1305,7 @@ typedef struct {
 } QuantCall;
 
 /* A thread's share of a call: its rows of x quantized, then its tasks (static order), each with the next
- * task's first panels prefetched. Orphaned worksharing: a team runs it, or one thread alone (run_team). */
+ * task's first panels prefetched. Orphaned worksharing: a team runs it, or one thread alone (RUN_TEAM). */
 static void quant_call_run(QuantCall *c) {
     const int qtype = c->qtype, is_bf16 = c->is_bf16, gz = c->gz;
     const int64_t M = c->M, N = c->N, K = c->K, panels = c->panels, groups = c->groups, chunks = c->chunks;
