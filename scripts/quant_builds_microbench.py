@@ -59,10 +59,11 @@ def builds(tmp: Path, baseline: str | None, variants: list[str]) -> dict[str, ct
     if baseline:
         old = tmp / "old"
         old.mkdir()
-        for name in ("gemm_quant.c", "cobatch_kernels.h"):
-            text = subprocess.run(["git", "show", f"{baseline}:cobatch/kernels/csrc/{name}"], cwd=ROOT,
-                                  check=True, capture_output=True, text=True).stdout
-            (old / name).write_text(text)
+        for name in ("gemm_quant.c", "cobatch_kernels.h", "parallel.h"):  # parallel.h: absent before 3684822
+            shown = subprocess.run(["git", "show", f"{baseline}:cobatch/kernels/csrc/{name}"], cwd=ROOT,
+                                   capture_output=True, text=True)
+            if shown.returncode == 0:
+                (old / name).write_text(shown.stdout)
         libs[f"at {baseline}"] = build(old / "gemm_quant.c", old, (), tmp / "old.so")
     return libs
 

@@ -815,21 +815,17 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return _mm512_loadu_si512(blk + 32 + 64 * g);
-    if (qtype == QUANT_Q3_K) {
-        /* the low bits, then 4 more where bit g of the hb byte is set: g is not a literal here (the K-quants
-         * with two sums a 32-block do not unroll their halves), so a shift count from a register and a test
-         * against a mask, not shifts by g in both directions (branches: 1.9x slower at one row) */
-        const uint8_t *v = blk + Q3_CODES + 192 * j;
-        const __m512i lo = _mm512_and_si512(
-            _mm512_srl_epi16(_mm512_loadu_si512(v + 64 * (g / 4)), _mm_cvtsi32_si128(2 * (g % 4))),
-            _mm512_set1_epi8(3));
-        const __mmask64 third = _mm512_test_epi8_mask(_mm512_loadu_si512(v + 128), _mm512_set1_epi8((char)(1 << g)));
-        return _mm512_mask_add_epi8(lo, third, lo, _mm512_set1_epi8(4));
+    if (IS_LOW2(qtype)) {
+        /* the low bits: bits 2 (g % 4), + 1 of vector g / 4; Q3_K's third bit g of the hb byte moved to bit 2
+         * and put in (0xF8: A | (B & C)). g is a literal (each half its own block_half): shifts by constants */
+        const uint8_t *v = blk + (qtype == QUANT_Q3_K ? Q3_CODES + 192 * j : Q2_CODES + 128 * j);
+        const __m512i raw = _mm512_loadu_si512(v + 64 * (g / 4));
+        const __m512i lo = _mm512_and_si512(g % 4 ? _mm512_srli_epi16(raw, 2 * (g % 4)) : raw, _mm512_set1_epi8(3));
+        if (qtype == QUANT_Q2_K) return lo;
+        const __m512i hb = _mm512_loadu_si512(v + 128);
+        const __m512i third = g < 2 ? _mm512_slli_epi16(hb, 2 - g) : g > 2 ? _mm512_srli_epi16(hb, g - 2) : hb;
+        return _mm512_ternarylogic_epi32(lo, third, _mm512_set1_epi8(4), 0xF8);
     }
-    if (qtype == QUANT_Q2_K)  /* Q3_K's low bits alone */
-        return _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(blk + Q2_CODES + 128 * j + 64 * (g / 4)),
-                                                 _mm_cvtsi32_si128(2 * (g % 4))),
-                                _mm512_set1_epi8(3));
     if (qtype == QUANT_IQ4_XS || qtype == QUANT_IQ4_NL) {  /* the indices through the table, a byte shuffle per 16 */
         const __m512i v =
             _mm512_loadu_si512(blk + (qtype == QUANT_IQ4_XS ? IQ4_CODES + 256 * j : 32) + 64 * (g % 4));
@@ -1036,6 +1032,59 @@ INLINE void k_block_end(int qtype, const QuantRows *x, int64_t m0, int mr, const
     }
 }
 
+/* Half hf of 32-block j (the whole block where it has one integer sum) into sum: for rows m0 .. m0 + mr
+ * against the panel blocks blk, the integer sums of its code vectors, the K-quants' times their sub-block's
+ * scale (kscale, or Q6_K's in the block), added to sum's (hf 1) or put there (hf 0). */
+INLINE void block_half(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *const *blk, int nz,
+                       int64_t K, int64_t j, int jj, int hf, __m512i kscale[NZ][16], __m512i *sum) {
+    const int64_t nb = K / QB;
+    const float off = code_offset(qtype);
+    const int halves = sums_per_block(qtype), span = 8 / halves;  /* span: code vectors per integer sum */
+    __m512i half[MR_WIDE * NZ];
+#pragma GCC unroll 8
+    for (int m = 0; m < mr; m++) {
+        /* the formats without mins start at -o sum(q), so the integer sum is sum(w q) / a already */
+        const int64_t xb = (m0 + m) * nb + j;
+        const int32_t start = HAS_KMIN(qtype) ? 0 : -(int32_t)off * (halves == 2 ? x->s16[2 * xb + hf] : x->s[xb]);
+#pragma GCC unroll 4
+        for (int z = 0; z < nz; z++) half[m * NZ + z] = _mm512_set1_epi32(start);
+    }
+    const int split = mr * nz <= SPLIT_SUMS;  /* a literal per copy, as mr and nz */
+    __m512i odd[MR_WIDE * NZ];  /* split: the odd code vectors' sums, added to the even ones' after */
+    if (split)
+        for (int i = 0; i < mr * NZ; i++) odd[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int g = hf * span; g < (hf + 1) * span; g++) {
+        __m512i c[NZ];
+#pragma GCC unroll 4
+        for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], jj, g);
+#pragma GCC unroll 8
+        for (int m = 0; m < mr; m++) {
+            const __m512i xq = _mm512_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
+#pragma GCC unroll 4
+            for (int z = 0; z < nz; z++) {
+                __m512i *acc_g = split && g % 2 ? &odd[m * NZ + z] : &half[m * NZ + z];
+                *acc_g = _mm512_dpbusd_epi32(*acc_g, c[z], xq);
+            }
+        }
+    }
+    if (split)
+        for (int i = 0; i < mr * NZ; i++) half[i] = _mm512_add_epi32(half[i], odd[i]);
+#pragma GCC unroll 4
+    for (int z = 0; z < nz; z++) {  /* the K-quants: times the sub-block's scale (Numerics) */
+        const __m512i sc = !IS_K_QUANT(qtype) ? _mm512_setzero_si512()
+                           : HAS_KSCALE(qtype) ? kscale[z][IS_LOW2(qtype) ? 2 * jj + hf : jj]
+                           : _mm512_cvtepi8_epi32(
+                                 _mm_loadu_si128((const __m128i *)q6_scales(blk[z], j, hf)));
+#pragma GCC unroll 8
+        for (int m = 0; m < mr; m++) {
+            const __m512i scaled = IS_K_QUANT(qtype) ? _mm512_mullo_epi32(half[m * NZ + z], sc)
+                                                     : half[m * NZ + z];
+            sum[m * NZ + z] = hf == 0 ? scaled : _mm512_add_epi32(sum[m * NZ + z], scaled);
+        }
+    }
+}
+
 /* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream` > 0:
  * prefetch the panels that many 32-blocks ahead (prefetch_ahead); else `ahead`'s bytes into L2. Up to MR
  * rows the fp32 results stay in registers; a wide tile (up to MR_WIDE rows) keeps them in y's rows (L1)
@@ -1051,8 +1100,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             else acc[m * NZ + z] = _mm512_setzero_ps();
         }
     const int64_t nb = K / QB;
-    const float off = code_offset(qtype);
-    const int halves = sums_per_block(qtype), span = 8 / halves;  /* span: code vectors per integer sum */
+    const int halves = sums_per_block(qtype);
     /* 32-blocks per integer accumulation: a K-quant's 256-block (its own loop, so that its integer sums
      * keep their registers through it, the epilogue's pressure outside) */
     const int per = IS_K_QUANT(qtype) ? KB / QB : 1;
@@ -1089,52 +1137,16 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             else if (ahead.at != NULL)
                 for (int64_t b = 0; b < ahead.bytes_per_block; b += 64)
                     _mm_prefetch((const char *)ahead.at + j * ahead.bytes_per_block + b, _MM_HINT_T2);
+            /* Each half its own call, so that g is a literal in codes(): which of Q6_K's code vectors is the
+             * fourth is then known when compiled, Q3_K's and Q2_K's shifts are by constants (docs/BENCHMARKS.md,
+             * Quantized weights: Q6_K 1.19x at one row, Q3_K and Q2_K 1.11x at 16). But a Q6_K tile of more
+             * than 2 rows x panels keeps the loop: unrolled, it ran 0.9-0.95x. */
             __m512i sum[MR_WIDE * NZ];  /* the block's integer sum (K-quants: times its scales) */
-            for (int hf = 0; hf < halves; hf++) {
-                __m512i half[MR_WIDE * NZ];
-#pragma GCC unroll 8
-                for (int m = 0; m < mr; m++) {
-                    /* the formats without mins start at -o sum(q), so the integer sum is sum(w q) / a already */
-                    const int64_t xb = (m0 + m) * nb + j;
-                    const int32_t start = HAS_KMIN(qtype) ? 0 : -(int32_t)off * (halves == 2 ? x->s16[2 * xb + hf]
-                                                                                                  : x->s[xb]);
-#pragma GCC unroll 4
-                    for (int z = 0; z < nz; z++) half[m * NZ + z] = _mm512_set1_epi32(start);
-                }
-                const int split = mr * nz <= SPLIT_SUMS;  /* a literal per copy, as mr and nz */
-                __m512i odd[MR_WIDE * NZ];  /* split: the odd code vectors' sums, added to the even ones' after */
-                if (split)
-                    for (int i = 0; i < mr * NZ; i++) odd[i] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-                for (int g = hf * span; g < (hf + 1) * span; g++) {
-                    __m512i c[NZ];
-#pragma GCC unroll 4
-                    for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], jj, g);
-#pragma GCC unroll 8
-                    for (int m = 0; m < mr; m++) {
-                        const __m512i xq = _mm512_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
-#pragma GCC unroll 4
-                        for (int z = 0; z < nz; z++) {
-                            __m512i *acc_g = split && g % 2 ? &odd[m * NZ + z] : &half[m * NZ + z];
-                            *acc_g = _mm512_dpbusd_epi32(*acc_g, c[z], xq);
-                        }
-                    }
-                }
-                if (split)
-                    for (int i = 0; i < mr * NZ; i++) half[i] = _mm512_add_epi32(half[i], odd[i]);
-#pragma GCC unroll 4
-                for (int z = 0; z < nz; z++) {  /* the K-quants: times the sub-block's scale (Numerics) */
-                    const __m512i sc = !IS_K_QUANT(qtype) ? _mm512_setzero_si512()
-                                       : HAS_KSCALE(qtype) ? kscale[z][IS_LOW2(qtype) ? 2 * jj + hf : jj]
-                                       : _mm512_cvtepi8_epi32(
-                                             _mm_loadu_si128((const __m128i *)q6_scales(blk[z], j, hf)));
-#pragma GCC unroll 8
-                    for (int m = 0; m < mr; m++) {
-                        const __m512i scaled = IS_K_QUANT(qtype) ? _mm512_mullo_epi32(half[m * NZ + z], sc)
-                                                                 : half[m * NZ + z];
-                        sum[m * NZ + z] = hf == 0 ? scaled : _mm512_add_epi32(sum[m * NZ + z], scaled);
-                    }
-                }
+            if (qtype == QUANT_Q6_K && mr * nz > 2) {
+                for (int hf = 0; hf < halves; hf++) block_half(qtype, x, m0, mr, blk, nz, K, j, jj, hf, kscale, sum);
+            } else {
+                block_half(qtype, x, m0, mr, blk, nz, K, j, jj, 0, kscale, sum);
+                if (halves == 2) block_half(qtype, x, m0, mr, blk, nz, K, j, jj, 1, kscale, sum);
             }
             if (IS_K_QUANT(qtype)) {
                 for (int i = 0; i < mr * NZ; i++) ksum[i] = _mm512_add_epi32(ksum[i], sum[i]);
