@@ -1139,8 +1139,8 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                     _mm_prefetch((const char *)ahead.at + j * ahead.bytes_per_block + b, _MM_HINT_T2);
             /* Each half its own call, so that g is a literal in codes(): which of Q6_K's code vectors is the
              * fourth is then known when compiled, Q3_K's and Q2_K's shifts are by constants (docs/BENCHMARKS.md,
-             * Quantized weights: Q6_K 1.19x at one row, Q3_K and Q2_K 1.11x at 16). But a Q6_K tile of more
-             * than 2 rows x panels keeps the loop: unrolled, it ran 0.9-0.95x. */
+             * Quantized weights: Q6_K 1.74x at one row from L3, Q3_K and Q2_K 1.1x at 16). But a Q6_K tile
+             * of more than 2 rows x panels keeps the loop: unrolled, it ran 0.90-0.95x. */
             __m512i sum[MR_WIDE * NZ];  /* the block's integer sum (K-quants: times its scales) */
             if (qtype == QUANT_Q6_K && mr * nz > 2) {
                 for (int hf = 0; hf < halves; hf++) block_half(qtype, x, m0, mr, blk, nz, K, j, jj, hf, kscale, sum);
