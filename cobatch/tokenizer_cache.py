@@ -62,8 +62,9 @@ def _key(path: Path) -> str:
     import transformers
 
     stat = path.stat()
-    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}\0"
-    return hashlib.sha256((identity + tokenizers.__version__).encode()).hexdigest()[:24]
+    identity = (f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}\0"
+                f"{tokenizers.__version__}")
+    return hashlib.sha256(identity.encode()).hexdigest()[:24]
 
 
 def _evict(root: Path) -> None:
