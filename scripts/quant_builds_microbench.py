@@ -59,11 +59,13 @@ def builds(tmp: Path, baseline: str | None, variants: list[str]) -> dict[str, ct
     if baseline:
         old = tmp / "old"
         old.mkdir()
-        for name in ("gemm_quant.c", "cobatch_kernels.h", "parallel.h"):  # parallel.h: absent before 3684822
+        for name in ("gemm_quant.c", "cobatch_kernels.h", "parallel.h"):
             shown = subprocess.run(["git", "show", f"{baseline}:cobatch/kernels/csrc/{name}"], cwd=ROOT,
                                    capture_output=True, text=True)
             if shown.returncode == 0:
                 (old / name).write_text(shown.stdout)
+            elif name != "parallel.h":  # the one file a baseline may lack (before 3684822)
+                raise SystemExit(f"{baseline} has no {name}: {shown.stderr.strip()}")
         libs[f"at {baseline}"] = build(old / "gemm_quant.c", old, (), tmp / "old.so")
     return libs
 
