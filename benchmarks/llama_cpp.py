@@ -6,8 +6,10 @@ requantizes that file to Q8_0 / Q4_0 / Q4_1 / Q5_1 / Q4_K (scripts/quantize_gguf
 rounding, every matrix), or to llama-quantize's own mixes (q4_k_m: Q4_K with Q6_K / Q5_0 / Q8_0 matrices
 where llama.cpp puts them; q5_k_m: Q5_K with Q6_K / Q5_1 / Q8_0; iq4_xs: IQ4_XS with Q6_K / Q5_K / Q8_0,
 IQ4_NL where K is no multiple of 256; q3_k_m: Q3_K with Q4_K / Q5_K / Q6_K; q2_k: Q2_K with Q3_K / Q4_K /
-Q6_K; iq3_m: IQ3_S with Q4_K / Q6_K; needs `build/bin/llama-quantize`). Both servers then load the very
-same file. Against each, in turn, one server up at a time:
+Q6_K; iq3_m: IQ3_S with Q4_K / Q6_K; iq2_xxs: IQ2_XXS with Q4_K / Q2_K / Q5_K; iq1_s: IQ1_S with IQ2_XXS /
+Q4_K / Q2_K / Q5_K; needs `build/bin/llama-quantize`, and for the last two, which it refuses without an
+importance matrix, a uniform one: every input weighed alike, as the other quantizers here do). Both servers
+then load the very same file. Against each, in turn, one server up at a time:
 
     single   one stream: --num-single requests one after another
     batch    --batch-size requests at once
@@ -36,6 +38,7 @@ import asyncio
 import dataclasses
 import json
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -56,7 +59,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DENSE = ("bf16", "f32")
 # format -> llama-quantize's type name
 LLAMA_QUANTIZE_MIXES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "iq4_xs": "IQ4_XS", "q3_k_m": "Q3_K_M",
-                        "q2_k": "Q2_K", "iq3_m": "IQ3_M"}
+                        "q2_k": "Q2_K", "iq3_m": "IQ3_M", "iq2_xxs": "IQ2_XXS", "iq1_s": "IQ1_S"}
+NEEDS_IMATRIX = ("iq2_xxs", "iq1_s")
 QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_1", "q4_k", *LLAMA_QUANTIZE_MIXES)
 SERVERS = ("llama-server", "cobatch")
 _READY_TIMEOUT_S = 600.0
@@ -102,12 +106,29 @@ def _write_gguf(fmt: str, hf_dir: Path, path: Path, dense_bf16: Path, llama_cpp:
         if not dense_bf16.exists():
             _write_gguf("bf16", hf_dir, dense_bf16, dense_bf16, llama_cpp)
         if fmt in LLAMA_QUANTIZE_MIXES:
-            cmd = [str(llama_cpp / "build" / "bin" / "llama-quantize"), str(dense_bf16), str(path),
+            imatrix = ["--imatrix", str(_uniform_imatrix(dense_bf16))] if fmt in NEEDS_IMATRIX else []
+            cmd = [str(llama_cpp / "build" / "bin" / "llama-quantize"), *imatrix, str(dense_bf16), str(path),
                    LLAMA_QUANTIZE_MIXES[fmt], "1"]
         else:
             cmd = [sys.executable, str(ROOT / "scripts" / "quantize_gguf.py"), str(path), "--type", fmt,
                    "--model", str(dense_bf16)]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+
+
+def _uniform_imatrix(dense: Path) -> Path:
+    """An importance matrix of ones for every matrix of `dense` (llama.cpp's legacy .dat: a count, then per
+    matrix its name, one call and its input width's values; then the chunk count and a dataset name)."""
+    import gguf
+
+    path = dense.with_suffix(".uniform-imatrix.dat")
+    matrices = [(t.name.encode(), int(t.shape[0])) for t in gguf.GGUFReader(dense).tensors if len(t.shape) == 2]
+    with path.open("wb") as f:
+        f.write(struct.pack("<i", len(matrices)))
+        for name, width in matrices:
+            f.write(struct.pack("<i", len(name)) + name + struct.pack("<ii", 1, width))
+            f.write(struct.pack(f"<{width}f", *([1.0] * width)))
+        f.write(struct.pack("<ii", 1, len(b"uniform")) + b"uniform")
+    return path
 
 
 def bytes_per_token(path: Path) -> int:

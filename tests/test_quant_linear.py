@@ -17,7 +17,7 @@ from cobatch.kernels.quant_linear import (FORMATS, SINGLE_STREAM_ROWS, QuantGemm
                                           pack_blocks, quant_type, quantized_linear, quantized_rows, quantized_shape,
                                           tune_single_stream, tune_wide_tiles)
 from cobatch.models.quantization import dequantize, quantize
-from cobatch.models.requantize import to_q8_0
+from cobatch.models.requantize import to_iq4_tab, to_q8_0
 
 pytestmark = pytest.mark.skipif(native_quant_gemm() is None, reason="the kernels library cannot be built here")
 
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(native_quant_gemm() is None, reason="the kernels
 CASES = [("q8_0", 32), ("q8_0", 96), ("q4_0", 64), ("q4_0", 160), ("q4_k", 256), ("q4_k", 768),
          ("q5_0", 32), ("q5_0", 160), ("q5_k", 256), ("q5_k", 768), ("q6_k", 256), ("q6_k", 768),
          ("q4_1", 32), ("q4_1", 160), ("q5_1", 64), ("q5_1", 160), ("iq4_xs", 256), ("iq4_xs", 768),
-         ("iq4_nl", 64), ("iq4_nl", 192), ("q3_k", 256), ("q3_k", 768), ("q2_k", 256), ("q2_k", 768)]
+         ("iq4_nl", 64), ("iq4_nl", 192), ("q3_k", 256), ("q3_k", 768), ("q2_k", 256), ("q2_k", 768),
+         ("iq4_tab", 256), ("iq4_tab", 768)]
 # N: one panel, one full tile (3 panels), a tile of 3 and one of 2, several tiles ending on a single panel
 WIDTHS = (16, 48, 80, 112)
 # M: one row, below / at / past the micro-tile (4), past a task's chunk of rows (128)
@@ -34,8 +35,14 @@ ROWS = (1, 3, 4, 5, 17, 130)
 
 def _weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed weight, the dense fp32 weight gguf-py dequantizes from the same blocks)."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = quantize(torch.randn(n, k, generator=g) * 0.1, fmt)
+    if fmt == "iq4_tab":  # IQ3_S's table (odd integers), not IQ4_XS's: the kernel must read the block's
+        rng = np.random.default_rng(seed)
+        data = rng.integers(0, 256, size=(n, k // 256, 110), dtype=np.uint8)  # any bytes are IQ3_S blocks
+        data[..., :2] = np.float16(rng.uniform(-0.02, 0.02, size=(n, k // 256, 1))).view(np.uint8)
+        blocks = to_iq4_tab(data.reshape(n, -1), gguf.GGMLQuantizationType.IQ3_S)
+        assert blocks is not None
+    else:
+        blocks = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1, fmt)
     return pack_blocks(blocks), dequantize(blocks, fmt)
 
 
@@ -171,7 +178,7 @@ def test_embedding_rows_are_the_dequantized_rows(fmt: str) -> None:
 # (Q8_0 0.54%, Q6_K 1.9%, Q5_0 4.3%, Q5_1 3.8%, Q5_K 3.8%, Q4_0 8.6%, Q4_1 7.9%, Q4_K 7.9%, IQ4_XS 8.1%,
 # IQ4_NL 8.0%, Q3_K 15.5%, Q2_K 33%): a broken layout or rounding lands far above.
 ROUND_TRIP_ERROR = {"q8_0": 0.007, "q6_k": 0.025, "q5_0": 0.055, "q5_1": 0.05, "q5_k": 0.05, "q4_0": 0.11,
-                    "q4_1": 0.105, "q4_k": 0.105, "iq4_xs": 0.105, "iq4_nl": 0.105,
+                    "q4_1": 0.105, "q4_k": 0.105, "iq4_xs": 0.105, "iq4_nl": 0.105, "iq4_tab": 0.105,
                     "q3_k": 0.2, "q2_k": 0.42}
 
 

@@ -1,5 +1,6 @@
 """Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS),
-for `--quantization` and the test files.
+for `--quantization` and the test files; and IQ4_TAB, the kernel's own: IQ4_XS's blocks, each with 4 bytes of
+a table of 16 values in eighths of d x scale (`with_table`; `dequantize` reads it back).
 
 The 32-weight formats use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
 `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` / ..., so a folder quantized here holds the bytes
@@ -49,6 +50,10 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
         data = quantize_q6_k(values)
     elif name == "iq4_xs":
         data = quantize_iq4_xs(values)
+    elif name == "iq4_tab":  # IQ4_XS's rounding, and its table (in eighths: d x 8, exact)
+        xs = quantize_iq4_xs(values).reshape(values.shape[0], -1, 136)
+        xs[..., :2] = (xs[..., :2].view(np.float16) * np.float16(8)).view(np.uint8)
+        data = with_table(xs, IQ4_VALUES)
     elif name == "iq4_nl":
         data = quantize_iq4_nl(values)
     elif name == "q3_k":
@@ -62,8 +67,36 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
 
 def dequantize(blocks: torch.Tensor, name: str) -> torch.Tensor:
     """GGUF blocks [N, nb, block_bytes] -> the dense [N, K] fp32 weight (gguf-py's dequantization)."""
+    if name == "iq4_tab":
+        return torch.from_numpy(dequantize_iq4_tab(blocks.numpy()))
     data = blocks.reshape(blocks.shape[0], -1).numpy()
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, GGUF_TYPES[name])))
+
+
+def with_table(xs: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks [N, nb, 136] whose 4-bit indices stand for `table`'s 16 values (integers -128..127, in
+    eighths of d x scale) -> IQ4_TAB blocks [N, nb, 140]: row r's 4 more bytes are the table's (values + 128)
+    4 (r % 4) ..: any 4 rows in a row (a panel's 16) hold it whole."""
+    codes = (table.astype(np.int16) + 128).astype(np.uint8).reshape(4, 4)
+    share = np.broadcast_to(codes[np.arange(xs.shape[0]) % 4][:, None, :], (*xs.shape[:2], 4))
+    return np.concatenate([xs, share], axis=-1)
+
+
+def dequantize_iq4_tab(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_TAB blocks [N, nb, 140] (N a multiple of 4) -> [N, nb * 256] fp32: d x scale x table[index] / 8 per
+    32-weight sub-block, IQ4_XS's fields, the table from the first 4 rows' shares."""
+    n, nb = blocks.shape[:2]
+    table = blocks[:4, :, 136:].transpose(1, 0, 2).reshape(nb, 16).astype(np.float32) - 128  # [nb, 16]
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [n, nb, 1]
+    scales_h = blocks[..., 2:4].copy().view("<u2")  # [n, nb, 1]
+    sub = np.arange(8)
+    low = (blocks[..., 4 + sub // 2] >> (4 * (sub % 2))) & 0xF  # [n, nb, 8]
+    scale = (low | (((scales_h >> (2 * sub)) & 3) << 4)).astype(np.float32) - 32
+    qs = blocks[..., 8:136].reshape(n, nb, 8, 16)
+    index = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # [n, nb, 8, 32]: K 0..15, then 16..31
+    values = np.take_along_axis(table[None, :, None, :], index.reshape(n, nb, 1, 256).astype(np.int64),
+                                axis=-1).reshape(n, nb, 8, 32)
+    return (d[..., None] * scale[..., None] * values / np.float32(8)).reshape(n, -1)
 
 
 def quantize_k_with_mins(values: np.ndarray, bits: int) -> np.ndarray:
@@ -151,12 +184,17 @@ def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
     step = d.astype(np.float32)[..., None] * sc  # each sub-block's weight per table unit
     with np.errstate(divide="ignore", invalid="ignore"):
         units = np.where(step[..., None] != 0, sub / np.where(step[..., None] != 0, step[..., None], 1.0), 0.0)
-    qs = _iq4_codes(units).reshape(n, k // 256, 128)
-    ls = (sc + 32).astype(np.uint16)  # [n, sb, 8]: 6 bits each
+    return pack_iq4_xs(d, sc, _iq4_indices(units)).reshape(n, -1)
+
+
+def pack_iq4_xs(d: np.ndarray, sc: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """IQ4_XS's fields -> its blocks [n, sb, 136]: fp16 d [n, sb], scales -32..31 [n, sb, 8], 4-bit table
+    indices [n, sb, 8, 32]."""
+    ls = (sc + 32).astype(np.uint16)  # 6 bits each
     scales_h = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=-1, dtype=np.uint16)
     scales_l = ((ls[..., 0::2] & 0xF) | ((ls[..., 1::2] & 0xF) << 4)).astype(np.uint8)
-    out = np.concatenate([d[..., None].view(np.uint8), scales_h[..., None].view(np.uint8), scales_l, qs], axis=-1)
-    return out.reshape(n, -1)
+    qs = (index[..., :16] | (index[..., 16:] << 4)).astype(np.uint8).reshape(*d.shape, 128)
+    return np.concatenate([d[..., None].view(np.uint8), scales_h[..., None].view(np.uint8), scales_l, qs], axis=-1)
 
 
 def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
@@ -167,15 +205,15 @@ def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
     step = np.broadcast_to(d.astype(np.float32)[..., None], sub.shape)
     with np.errstate(divide="ignore", invalid="ignore"):
         units = np.where(step != 0, sub / np.where(step != 0, step, 1.0), 0.0)
-    return np.concatenate([d[..., None].view(np.uint8), _iq4_codes(units)], axis=-1).reshape(n, -1)
+    index = _iq4_indices(units)
+    qs = index[..., :16] | (index[..., 16:] << 4)  # K 0..15 in the low nibbles, 16..31 in the high ones
+    return np.concatenate([d[..., None].view(np.uint8), qs], axis=-1).reshape(n, -1)
 
 
-def _iq4_codes(units: np.ndarray) -> np.ndarray:
-    """[..., 32] values in units of the block's scale -> the 16 bytes of their nearest table entries' indices
-    (K 0..15 in the low nibbles, 16..31 in the high ones)."""
+def _iq4_indices(units: np.ndarray) -> np.ndarray:
+    """Values in units of their block's scale -> their nearest table entries' indices (uint8)."""
     table = IQ4_VALUES.astype(np.float32)
-    codes = np.searchsorted((table[1:] + table[:-1]) / 2, units).astype(np.uint8)
-    return codes[..., :16] | (codes[..., 16:] << 4)
+    return np.searchsorted((table[1:] + table[:-1]) / 2, units).astype(np.uint8)
 
 
 def _signed_sub_blocks(values: np.ndarray, code_min: int, scale_min: int) -> tuple[np.ndarray, ...]:

@@ -4,9 +4,10 @@ A file mostly in served formats can hold a few matrices in others (llama-quantiz
 projection's parts can differ in format; they become blocks of a served type rather than dense copies
 (4-5x their bytes, streamed every step). Where the values fit a served type exactly, they are converted
 without loss: Q4_0, Q5_0 and IQ4_NL to Q8_0 (one fp16 scale per 32 weights, integer codes within int8),
-IQ3_XXS and IQ3_S to Q6_K (their weights are an fp16 d times an integer scale per 32 weights times a
-signed grid value: in Q6_K's terms d' x scale x code with |code| <= 31, at 6.56 bits a weight against
-Q8_0's 8.5). Every other type is requantized to Q8_0 from its dequantized values.
+IQ2_XXS, IQ1_S, IQ3_XXS and IQ3_S to IQ4_TAB (their weights are an fp16 d times an integer scale per 32
+weights times one of at most 16 grid values: IQ4_XS's layout with that table, at 4.375 bits a weight against
+Q8_0's 8.5). Every other type (IQ2_XS, IQ2_S, IQ1_M: a scale per 16 weights ...) is requantized to Q8_0 from
+its dequantized values.
 """
 
 from __future__ import annotations
@@ -15,17 +16,20 @@ import gguf
 import numpy as np
 import torch
 
-from cobatch.models.quantization import IQ4_VALUES, pack_q6_k, quantize
+from cobatch.models.quantization import IQ4_VALUES, pack_iq4_xs, quantize, with_table
 
 _TYPE = gguf.GGMLQuantizationType
 EXACT_IN_Q8_0 = frozenset((_TYPE.Q4_0, _TYPE.Q5_0, _TYPE.IQ4_NL))
-EXACT_IN_Q6_K = frozenset((_TYPE.IQ3_XXS, _TYPE.IQ3_S))
+# IQ4_TAB's types: their grid's magnitudes in eighths of d x s (the table holds both signs)
+TABLES = {_TYPE.IQ2_XXS: np.array([8, 25, 43], np.int16), _TYPE.IQ1_S: np.array([1, 7, 9], np.int16),
+          _TYPE.IQ3_XXS: np.array([8, 24, 40, 56, 72, 88, 104, 124], np.int16),
+          _TYPE.IQ3_S: np.arange(8, 121, 16, dtype=np.int16)}
 
 
 def to_served(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """A GGUF matrix [N, row bytes] of a type the kernel does not serve -> Q6_K blocks [N, K / 256, 210]
-    holding its values exactly where to_q6_k can, else Q8_0 blocks [N, K / 32, 34] (to_q8_0)."""
-    blocks = to_q6_k(data, tensor_type) if tensor_type in EXACT_IN_Q6_K else None
+    """A GGUF matrix [N, row bytes] of a type the kernel does not serve -> IQ4_TAB blocks [N, K / 256, 140]
+    holding its values exactly where to_iq4_tab can, else Q8_0 blocks [N, K / 32, 34] (to_q8_0)."""
+    blocks = to_iq4_tab(data, tensor_type) if tensor_type in TABLES else None
     return blocks if blocks is not None else to_q8_0(data, tensor_type)
 
 
@@ -51,31 +55,40 @@ def to_q8_0(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.T
     return torch.from_numpy(np.ascontiguousarray(out))
 
 
-def to_q6_k(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor | None:
-    """An IQ3_XXS or IQ3_S matrix [N, row bytes] -> Q6_K blocks [N, K / 256, 210] of the same values, or
-    None where a block's d' is not exact in fp16 (a d near fp16's smallest: then to_q8_0).
+def to_iq4_tab(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor | None:
+    """An IQ2_XXS, IQ1_S, IQ3_XXS or IQ3_S matrix [N, row bytes] -> IQ4_TAB blocks [N, K / 256, 140] of the
+    same values (None, then Q8_0, should one not come back exactly).
 
-    IQ3_XXS: w = d (1 + 2 ls) / 4 x g, g in +-{4, 12, ..., 52, 62}: d' = d / 2, code g / 2.
-    IQ3_S:   w = d (1 + 2 ls) x g, g in +-{1, 3, ..., 15}: d' = d, code g.
-    Both: ls (4 bits) per 32 weights, so both 16-weight halves take the scale 1 + 2 ls (1..31). The codes
-    come from gguf-py's dequantized values (exact products of d, the scale and g in fp32)."""
+    Each is w = d x s x c / 8 per 32 weights: d the file's fp16 d, s = 2 ls + 1 (ls: the type's 3- or 4-bit
+    scale), c one of at most 16 integers (TABLES: IQ4_TAB's table is in eighths):
+    IQ2_XXS: w = d (0.5 + ls) / 4 x g, g in +-{8, 25, 43};  IQ1_S: w = d (2 ls + 1) (g +- 1/8), g in {-1, 0, 1};
+    IQ3_XXS: w = d (0.5 + ls) / 2 x g, g in +-{4, 12, ..., 52, 62};  IQ3_S: w = d (1 + 2 ls) x g, g odd, |g| < 16.
+    The codes come from gguf-py's dequantized values (exact products in fp32), checked to give them back."""
+    magnitudes = TABLES[tensor_type]
     n = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(n, -1, gguf.GGML_QUANT_SIZES[tensor_type][1])
     d = blocks[..., :2].copy().view(np.float16)[..., 0]  # [n, sb]
-    if tensor_type == _TYPE.IQ3_XXS:  # d | grid indices [64] | 8 words: signs, ls in bits 28..31
-        ls = blocks[..., 66:98].copy().view("<u4") >> 28
-        d_q6 = (d.astype(np.float32) / 2).astype(np.float16)
-        if not np.array_equal(d_q6.astype(np.float32) * 2, d.astype(np.float32)):
-            return None
-    else:  # IQ3_S: d | qs [64] | qh [8] | signs [32] | scales [4]: ls of 32-block 2 i + h in nibble h of byte i
-        scales = blocks[..., 106:110]
-        ls, d_q6 = np.stack([scales & 0xF, scales >> 4], axis=-1).reshape(n, -1, 8), d
-    scale = (1 + 2 * ls.astype(np.int16))  # [n, sb, 8]
+    scale = 2 * _sub_block_ls(blocks, tensor_type).astype(np.int16) + 1  # [n, sb, 8]
+    table = np.concatenate([-magnitudes[::-1], magnitudes, np.zeros(16 - 2 * len(magnitudes), np.int16)])
     values = gguf.quants.dequantize(data, tensor_type).reshape(n, -1, 8, 32)
-    step = d_q6.astype(np.float32)[..., None, None] * scale[..., None]
+    step = d.astype(np.float32)[..., None, None] * scale[..., None] / np.float32(8)
     with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.where(step != 0, np.round(values / np.where(step != 0, step, 1.0)), 0.0)
-    if np.abs(codes).max(initial=0) > 31 or not np.array_equal(codes * step, values):
+        codes = np.where(step != 0, values / np.where(step != 0, step, 1.0), 0.0)
+    index = np.searchsorted(table[:2 * len(magnitudes)], codes).clip(0, 15)
+    if not np.array_equal(table[index] * step, values):
         return None
-    q6 = pack_q6_k(d_q6, np.repeat(scale, 2, axis=-1), (codes + 32).astype(np.uint8).reshape(n, -1, 2, 4, 32))
-    return torch.from_numpy(q6).view(n, -1, 210)
+    xs = pack_iq4_xs(d, scale, index)
+    return torch.from_numpy(np.ascontiguousarray(with_table(xs, table))).view(n, -1, 140)
+
+
+def _sub_block_ls(blocks: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Each 32-weight sub-block's ls [n, sb, 8] from the type's blocks [n, sb, block bytes]."""
+    n, sb = blocks.shape[:2]
+    if tensor_type == _TYPE.IQ2_XXS:  # d | 8 x (4 grid indices | 4 x 7 sign bits, ls in bits 28..31)
+        return blocks[..., 2:66].copy().view("<u4").reshape(n, sb, 8, 2)[..., 1] >> 28
+    if tensor_type == _TYPE.IQ1_S:  # d | qs [32] | qh [8] u16: ls in bits 12..14
+        return (blocks[..., 34:50].copy().view("<u2") >> 12) & 7
+    if tensor_type == _TYPE.IQ3_XXS:  # d | grid indices [64] | 8 words: signs, ls in bits 28..31
+        return blocks[..., 66:98].copy().view("<u4") >> 28
+    scales = blocks[..., 106:110]  # IQ3_S: ... | scales [4]: ls of 32-block 2 i + h in nibble h of byte i
+    return np.stack([scales & 0xF, scales >> 4], axis=-1).reshape(n, sb, 8)
