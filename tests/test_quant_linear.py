@@ -26,7 +26,9 @@ CASES = [("q8_0", 32), ("q8_0", 96), ("q4_0", 64), ("q4_0", 160), ("q4_k", 256),
          ("q5_0", 32), ("q5_0", 160), ("q5_k", 256), ("q5_k", 768), ("q6_k", 256), ("q6_k", 768),
          ("q4_1", 32), ("q4_1", 160), ("q5_1", 64), ("q5_1", 160), ("iq4_xs", 256), ("iq4_xs", 768),
          ("iq4_nl", 64), ("iq4_nl", 192), ("q3_k", 256), ("q3_k", 768), ("q2_k", 256), ("q2_k", 768),
-         ("iq4_tab", 256), ("iq4_tab", 768)]
+         ("iq4_tab", 256), ("iq4_tab", 768), ("iq4_tab16", 256), ("iq4_tab16", 768)]
+# the grid types the kernel's table formats are tested with
+GRID_OF = {"iq4_tab": gguf.GGMLQuantizationType.IQ3_S, "iq4_tab16": gguf.GGMLQuantizationType.IQ2_XS}
 # N: one panel, one full tile (3 panels), a tile of 3 and one of 2, several tiles ending on a single panel
 WIDTHS = (16, 48, 80, 112)
 # M: one row, below / at / past the micro-tile (4), past a task's chunk of rows (128)
@@ -35,11 +37,12 @@ ROWS = (1, 3, 4, 5, 17, 130)
 
 def _weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed weight, the dense fp32 weight gguf-py dequantizes from the same blocks)."""
-    if fmt == "iq4_tab":  # IQ3_S's table (odd integers), not IQ4_XS's: the kernel must read the block's
+    if fmt in GRID_OF:  # a grid's table (IQ3_S's odd integers, IQ2_XS's), not IQ4_XS's: read from the block
+        kind = GRID_OF[fmt]
         rng = np.random.default_rng(seed)
-        data = rng.integers(0, 256, size=(n, k // 256, 110), dtype=np.uint8)  # any bytes are IQ3_S blocks
-        data[..., :2] = np.float16(rng.uniform(-0.02, 0.02, size=(n, k // 256, 1))).view(np.uint8)
-        blocks = to_iq4_tab(data.reshape(n, -1), gguf.GGMLQuantizationType.IQ3_S)
+        data = rng.integers(0, 256, size=(n, k // 256, gguf.GGML_QUANT_SIZES[kind][1]), dtype=np.uint8)
+        data[..., :2] = np.float16(rng.uniform(-0.02, 0.02, size=(n, k // 256, 1))).view(np.uint8)  # any bytes
+        blocks = to_iq4_tab(data.reshape(n, -1), kind)
         assert blocks is not None
     else:
         blocks = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1, fmt)
@@ -179,7 +182,7 @@ def test_embedding_rows_are_the_dequantized_rows(fmt: str) -> None:
 # IQ4_NL 8.0%, Q3_K 15.5%, Q2_K 33%): a broken layout or rounding lands far above.
 ROUND_TRIP_ERROR = {"q8_0": 0.007, "q6_k": 0.025, "q5_0": 0.055, "q5_1": 0.05, "q5_k": 0.05, "q4_0": 0.11,
                     "q4_1": 0.105, "q4_k": 0.105, "iq4_xs": 0.105, "iq4_nl": 0.105, "iq4_tab": 0.105,
-                    "q3_k": 0.2, "q2_k": 0.42}
+                    "iq4_tab16": 0.105, "q3_k": 0.2, "q2_k": 0.42}
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

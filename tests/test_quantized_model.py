@@ -218,6 +218,6 @@ def test_a_file_mostly_in_other_types_is_served_dense() -> None:
         return SimpleNamespace(shape=[64, 64], n_bytes=n_bytes, tensor_type=kind)
 
     norm = SimpleNamespace(shape=[64], n_bytes=10**6, tensor_type=gguf.GGMLQuantizationType.F32)
-    iq2, q4_1 = gguf.GGMLQuantizationType.IQ2_XS, gguf.GGMLQuantizationType.Q4_1
-    assert _mostly_served([tensor(q4_1, 60), tensor(iq2, 40), norm])
-    assert not _mostly_served([tensor(q4_1, 40), tensor(iq2, 60), norm])
+    tq2, q4_1 = gguf.GGMLQuantizationType.TQ2_0, gguf.GGMLQuantizationType.Q4_1
+    assert _mostly_served([tensor(q4_1, 60), tensor(tq2, 40), norm])
+    assert not _mostly_served([tensor(q4_1, 40), tensor(tq2, 60), norm])

@@ -1,6 +1,6 @@
 """models/requantize.py: GGUF matrices of types the kernel does not serve become served blocks, IQ2_XXS,
-IQ1_S, IQ3_XXS and IQ3_S as IQ4_TAB with the very values gguf-py dequantizes them to, the rest as Q8_0; the
-loader takes that way for them and counts such files as served."""
+IQ1_S, IQ3_XXS and IQ3_S as IQ4_TAB, IQ2_XS, IQ2_S and IQ1_M as IQ4_TAB16, with the very values gguf-py
+dequantizes them to, the rest as Q8_0; the loader takes that way for them and counts such files as served."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from cobatch.models.loader import _gguf_tensor, _mostly_served
 from cobatch.models.quantization import dequantize
-from cobatch.models.requantize import TABLES, to_iq4_tab, to_served
+from cobatch.models.requantize import PER_16, TABLES, to_iq4_tab, to_served
 
 GRIDS = sorted(TABLES, key=lambda t: t.name)
 
@@ -24,8 +24,15 @@ def _random_blocks(kind: gguf.GGMLQuantizationType, rows: int, k: int, d: list[f
     size = gguf.GGML_QUANT_SIZES[kind][1]
     rng = np.random.default_rng(7)
     blocks = rng.integers(0, 256, size=(rows, k // 256, size), dtype=np.uint8)
-    scales = rng.choice(np.array(d, dtype=np.float16), size=(rows, k // 256))
-    blocks[..., :2] = scales[..., None].view(np.uint8)
+    bits = rng.choice(np.array(d, dtype=np.float16), size=(rows, k // 256)).view(np.uint16)
+    if kind == gguf.GGMLQuantizationType.IQ1_M:  # d: the top 4 bits of its 4 scale words (at 48)
+        words = blocks[..., 48:56].copy().view("<u2")
+        nibbles = (bits[..., None] >> (4 * np.arange(4, dtype=np.uint16))) & 0xF
+        blocks[..., 48:56] = ((words & 0x0FFF) | (nibbles << 12).astype(np.uint16)).view(np.uint8)
+    elif kind == gguf.GGMLQuantizationType.TQ2_0:  # d last
+        blocks[..., -2:] = bits[..., None].view(np.uint8)
+    else:
+        blocks[..., :2] = bits[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -35,12 +42,13 @@ def test_grid_types_become_iq4_tab_exactly(kind: gguf.GGMLQuantizationType) -> N
     is in eighths) and every ls, grid entry, sign (IQ1_S: delta) the random bytes reach."""
     data = _random_blocks(kind, 32, 1024, [0.01, -0.37, 0.0, 3.5e-3, 1.0, 3 * 2.0**-24, 1.5e-4])
     blocks = to_iq4_tab(data, kind)
-    assert blocks is not None and blocks.shape == (32, 4, 140)
-    assert torch.equal(dequantize(blocks, "iq4_tab"), torch.from_numpy(gguf.quants.dequantize(data, kind)))
+    fmt, size = ("iq4_tab16", 152) if kind in PER_16 else ("iq4_tab", 140)
+    assert blocks is not None and blocks.shape == (32, 4, size)
+    assert torch.equal(dequantize(blocks, fmt), torch.from_numpy(gguf.quants.dequantize(data, kind)))
 
 
 def test_other_types_become_q8_0() -> None:
-    kind = gguf.GGMLQuantizationType.IQ2_XS  # a scale per 16 weights: no IQ4_TAB
+    kind = gguf.GGMLQuantizationType.TQ2_0  # ternary: no grid
     data = _random_blocks(kind, 16, 512, [0.02])
     want = torch.from_numpy(gguf.quants.dequantize(data, kind))
     blocks = to_served(data, kind)
@@ -55,8 +63,9 @@ def test_the_loader_keeps_grid_types_as_iq4_tab_and_counts_them_served(kind: ggu
     data = _random_blocks(kind, 16, 512, [0.05])
     tensor = SimpleNamespace(data=data, tensor_type=kind, shape=np.array([512, 16]), n_bytes=data.nbytes)
     weight = _gguf_tensor(tensor, torch.float32, keep_blocks=True)
-    assert weight.shape == (16, 2, 140)
-    assert torch.equal(dequantize(weight, "iq4_tab"), torch.from_numpy(gguf.quants.dequantize(data, kind)))
-    other = SimpleNamespace(shape=[64, 64], n_bytes=data.nbytes // 2, tensor_type=gguf.GGMLQuantizationType.IQ2_XS)
+    fmt, size = ("iq4_tab16", 152) if kind in PER_16 else ("iq4_tab", 140)
+    assert weight.shape == (16, 2, size)
+    assert torch.equal(dequantize(weight, fmt), torch.from_numpy(gguf.quants.dequantize(data, kind)))
+    other = SimpleNamespace(shape=[64, 64], n_bytes=data.nbytes // 2, tensor_type=gguf.GGMLQuantizationType.TQ2_0)
     assert _mostly_served([tensor, other])
     assert not _mostly_served([SimpleNamespace(**{**vars(tensor), "n_bytes": data.nbytes // 4}), other])

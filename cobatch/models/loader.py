@@ -6,11 +6,11 @@ format the quantized kernel serves (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5
 kernels/quant_linear.py) stays as its blocks, a uint8 [N, K / block, block_bytes] tensor, and the model
 keeps it packed, never dense (so the Q6_K lm_head, attn_v and ffn_down of llama-quantize's Q4_K_M mix stay
 Q6_K, and the Q5_1 matrices its Q5_K_M puts where K is no multiple of 256 stay Q5_1). In a file mostly in
-those formats (or in IQ2_XXS / IQ1_S / IQ3_XXS / IQ3_S), a matrix in another quantized type becomes blocks
-of a served one (models/requantize.py): IQ4_TAB holding an IQ2_XXS, IQ1_S, IQ3_XXS or IQ3_S matrix's values
-exactly, else Q8_0, requantized from the dequantized values of IQ2_XS / IQ2_S / IQ1_M and the rest (exactly
-from an IQ4_NL matrix whose K is no multiple of 64), and so does a fused projection whose parts differ in
-format (exactly from Q4_0, Q5_0 and IQ4_NL parts): dense fp32 copies of them would hold 4-5x their bytes
+those formats (or in the i-quants' grid types), a matrix in another quantized type becomes blocks of a
+served one (models/requantize.py): IQ4_TAB holding an IQ2_XXS, IQ1_S, IQ3_XXS or IQ3_S matrix's values
+exactly, IQ4_TAB16 an IQ2_XS, IQ2_S or IQ1_M one's, else Q8_0, requantized from the dequantized values of
+the rest (exactly from an IQ4_NL matrix whose K is no multiple of 64), and so does a fused projection whose
+parts differ in format (exactly from Q4_0, Q5_0 and IQ4_NL parts): dense fp32 copies of them would hold 4-5x their bytes
 and be streamed every step. Other files are dequantized with `gguf`, and so is the bundled model
 (model_paths.is_bundled_model): it is the project's reference, served dense as its figures and its
 token-for-token match with HF transformers are, and is Q4_1 only because that is how its package ships it.
@@ -276,8 +276,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
 
 def _mostly_served(tensors: list) -> bool:
     """Whether most of a file's matrix bytes are in types the quantized kernel serves, or converts to one
-    exactly (IQ2_XXS, IQ1_S, IQ3_XXS, IQ3_S: requantize.py). A file mostly in other types (IQ2_XS, IQ1_M ...)
-    is served dense: requantizing most of it to Q8_0 would change the numerics of all of it."""
+    exactly (the grid types: requantize.TABLES). A file mostly in other types (TQ1_0, TQ2_0 ...) is served
+    dense: requantizing most of it to Q8_0 would change the numerics of all of it."""
     matrices = [t for t in tensors if len(t.shape) == 2]
     served = sum(int(t.n_bytes) for t in matrices
                  if quant.format_of(t.tensor_type) is not None or t.tensor_type in requantize.TABLES)
@@ -288,7 +288,7 @@ def _gguf_tensor(t: object, dtype: torch.dtype, keep_blocks: bool) -> torch.Tens
     """A GGUF tensor as GGUF blocks [N, K / block, block_bytes] (uint8, copied out of the file's mapping)
     where keep_blocks and the quantized kernel serves its type, as blocks of a served type where keep_blocks
     and it is a matrix of another quantized type, or of IQ4_NL with K no multiple of its 64-weight unit
-    (requantize.to_served: IQ4_TAB exactly from IQ2_XXS / IQ1_S / IQ3_XXS / IQ3_S, else Q8_0); a BF16 one as
+    (requantize.to_served: IQ4_TAB / IQ4_TAB16 exactly from the grid types, else Q8_0); a BF16 one as
     bf16 (build_model keeps or converts it: weight-only bf16); else dequantized into `dtype`."""
     import gguf
 

@@ -54,6 +54,10 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
         xs = quantize_iq4_xs(values).reshape(values.shape[0], -1, 136)
         xs[..., :2] = (xs[..., :2].view(np.float16) * np.float16(8)).view(np.uint8)
         data = with_table(xs, IQ4_VALUES)
+    elif name == "iq4_tab16":  # the same, each 32-weight scale twice
+        d, scale, index = _xs_fields(quantize_iq4_xs(values).reshape(values.shape[0], -1, 136))
+        d8 = (d.astype(np.float16) * np.float16(8))
+        data = pack_iq4_tab16(d8, np.repeat(scale, 2, axis=-1), index, IQ4_VALUES)
     elif name == "iq4_nl":
         data = quantize_iq4_nl(values)
     elif name == "q3_k":
@@ -67,7 +71,7 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
 
 def dequantize(blocks: torch.Tensor, name: str) -> torch.Tensor:
     """GGUF blocks [N, nb, block_bytes] -> the dense [N, K] fp32 weight (gguf-py's dequantization)."""
-    if name == "iq4_tab":
+    if name in ("iq4_tab", "iq4_tab16"):
         return torch.from_numpy(dequantize_iq4_tab(blocks.numpy()))
     data = blocks.reshape(blocks.shape[0], -1).numpy()
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, GGUF_TYPES[name])))
@@ -82,21 +86,43 @@ def with_table(xs: np.ndarray, table: np.ndarray) -> np.ndarray:
     return np.concatenate([xs, share], axis=-1)
 
 
-def dequantize_iq4_tab(blocks: np.ndarray) -> np.ndarray:
-    """IQ4_TAB blocks [N, nb, 140] (N a multiple of 4) -> [N, nb * 256] fp32: d x scale x table[index] / 8 per
-    32-weight sub-block, IQ4_XS's fields, the table from the first 4 rows' shares."""
+def pack_iq4_tab16(d: np.ndarray, sc: np.ndarray, index: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """IQ4_TAB16 blocks [n, sb, 152] from fp16 d [n, sb], int8 scales per 16 weights [n, sb, 16], 4-bit
+    table indices [n, sb, 8, 32] and the table (as with_table): d | scales | qs as IQ4_XS's | share | 2 unused."""
+    qs = (index[..., :16] | (index[..., 16:] << 4)).astype(np.uint8).reshape(*d.shape, 128)
+    head = np.concatenate([d[..., None].view(np.uint8), sc.astype(np.int8).view(np.uint8), qs], axis=-1)
+    out = with_table(head, table)
+    return np.concatenate([out, np.zeros((*d.shape, 2), np.uint8)], axis=-1)
+
+
+def _xs_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ4_XS's (or IQ4_TAB's) blocks [n, nb, >= 136] -> fp16 d [n, nb], scales [n, nb, 8], indices [n, nb, 8, 32]."""
     n, nb = blocks.shape[:2]
-    table = blocks[:4, :, 136:].transpose(1, 0, 2).reshape(nb, 16).astype(np.float32) - 128  # [nb, 16]
-    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [n, nb, 1]
+    d = blocks[..., :2].copy().view(np.float16)[..., 0]
     scales_h = blocks[..., 2:4].copy().view("<u2")  # [n, nb, 1]
     sub = np.arange(8)
     low = (blocks[..., 4 + sub // 2] >> (4 * (sub % 2))) & 0xF  # [n, nb, 8]
-    scale = (low | (((scales_h >> (2 * sub)) & 3) << 4)).astype(np.float32) - 32
+    scale = (low | (((scales_h >> (2 * sub)) & 3) << 4)).astype(np.int16) - 32
     qs = blocks[..., 8:136].reshape(n, nb, 8, 16)
-    index = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # [n, nb, 8, 32]: K 0..15, then 16..31
+    return d, scale, np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # indices: K 0..15, then 16..31
+
+
+def dequantize_iq4_tab(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_TAB [N, nb, 140] or IQ4_TAB16 [N, nb, 152] blocks (N a multiple of 4) -> [N, nb * 256] fp32:
+    d x scale x table[index] / 8 per 32 (16) weights, the table from the first 4 rows' shares."""
+    n, nb = blocks.shape[:2]
+    at = 136 if blocks.shape[-1] == 140 else 146
+    table = blocks[:4, :, at:at + 4].transpose(1, 0, 2).reshape(nb, 16).astype(np.float32) - 128  # [nb, 16]
+    if blocks.shape[-1] == 140:
+        d, scale, index = _xs_fields(blocks)
+    else:
+        d, scale = blocks[..., :2].copy().view(np.float16)[..., 0], blocks[..., 2:18].view(np.int8)
+        qs = blocks[..., 18:146].reshape(n, nb, 8, 16)
+        index = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
     values = np.take_along_axis(table[None, :, None, :], index.reshape(n, nb, 1, 256).astype(np.int64),
-                                axis=-1).reshape(n, nb, 8, 32)
-    return (d[..., None] * scale[..., None] * values / np.float32(8)).reshape(n, -1)
+                                axis=-1).reshape(n, nb, scale.shape[-1], -1)
+    step = d.astype(np.float32)[..., None] * scale.astype(np.float32)
+    return (step[..., None] * values / np.float32(8)).reshape(n, -1)
 
 
 def quantize_k_with_mins(values: np.ndarray, bits: int) -> np.ndarray:

@@ -6,8 +6,8 @@ projection's parts can differ in format; they become blocks of a served type rat
 without loss: Q4_0, Q5_0 and IQ4_NL to Q8_0 (one fp16 scale per 32 weights, integer codes within int8),
 IQ2_XXS, IQ1_S, IQ3_XXS and IQ3_S to IQ4_TAB (their weights are an fp16 d times an integer scale per 32
 weights times one of at most 16 grid values: IQ4_XS's layout with that table, at 4.375 bits a weight against
-Q8_0's 8.5). Every other type (IQ2_XS, IQ2_S, IQ1_M: a scale per 16 weights ...) is requantized to Q8_0 from
-its dequantized values.
+Q8_0's 8.5), IQ2_XS, IQ2_S and IQ1_M (a scale per 16 weights) to IQ4_TAB16 (4.75 bits). Every other type is
+requantized to Q8_0 from its dequantized values.
 """
 
 from __future__ import annotations
@@ -16,14 +16,18 @@ import gguf
 import numpy as np
 import torch
 
-from cobatch.models.quantization import IQ4_VALUES, pack_iq4_xs, quantize, with_table
+from cobatch.models.quantization import IQ4_VALUES, pack_iq4_tab16, pack_iq4_xs, quantize, with_table
 
 _TYPE = gguf.GGMLQuantizationType
 EXACT_IN_Q8_0 = frozenset((_TYPE.Q4_0, _TYPE.Q5_0, _TYPE.IQ4_NL))
 # IQ4_TAB's types: their grid's magnitudes in eighths of d x s (the table holds both signs)
 TABLES = {_TYPE.IQ2_XXS: np.array([8, 25, 43], np.int16), _TYPE.IQ1_S: np.array([1, 7, 9], np.int16),
           _TYPE.IQ3_XXS: np.array([8, 24, 40, 56, 72, 88, 104, 124], np.int16),
-          _TYPE.IQ3_S: np.arange(8, 121, 16, dtype=np.int16)}
+          _TYPE.IQ3_S: np.arange(8, 121, 16, dtype=np.int16),
+          _TYPE.IQ2_XS: np.array([8, 25, 43], np.int16), _TYPE.IQ2_S: np.array([8, 25, 43], np.int16),
+          _TYPE.IQ1_M: np.array([1, 7, 9], np.int16)}
+# those with a scale per 16 weights: IQ4_TAB16
+PER_16 = frozenset((_TYPE.IQ2_XS, _TYPE.IQ2_S, _TYPE.IQ1_M))
 
 
 def to_served(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor:
@@ -57,28 +61,42 @@ def to_q8_0(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.T
 
 def to_iq4_tab(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor | None:
     """An IQ2_XXS, IQ1_S, IQ3_XXS or IQ3_S matrix [N, row bytes] -> IQ4_TAB blocks [N, K / 256, 140] of the
-    same values (None, then Q8_0, should one not come back exactly).
+    same values; an IQ2_XS, IQ2_S or IQ1_M one -> IQ4_TAB16 blocks [N, K / 256, 152] (None, then Q8_0,
+    should one not come back exactly).
 
-    Each is w = d x s x c / 8 per 32 weights: d the file's fp16 d, s = 2 ls + 1 (ls: the type's 3- or 4-bit
-    scale), c one of at most 16 integers (TABLES: IQ4_TAB's table is in eighths):
+    Each is w = d x s x c / 8 per 32 weights (16: PER_16): d the file's fp16 d, s = 2 ls + 1 (ls: the type's
+    3- or 4-bit scale), c one of at most 16 integers (TABLES: IQ4_TAB's table is in eighths):
     IQ2_XXS: w = d (0.5 + ls) / 4 x g, g in +-{8, 25, 43};  IQ1_S: w = d (2 ls + 1) (g +- 1/8), g in {-1, 0, 1};
-    IQ3_XXS: w = d (0.5 + ls) / 2 x g, g in +-{4, 12, ..., 52, 62};  IQ3_S: w = d (1 + 2 ls) x g, g odd, |g| < 16.
+    IQ3_XXS: w = d (0.5 + ls) / 2 x g, g in +-{4, 12, ..., 52, 62};  IQ3_S: w = d (1 + 2 ls) x g, g odd, |g| < 16;
+    IQ2_XS, IQ2_S as IQ2_XXS, IQ1_M as IQ1_S (its delta per 8 weights, its d in its scales' top bits).
     The codes come from gguf-py's dequantized values (exact products in fp32), checked to give them back."""
     magnitudes = TABLES[tensor_type]
     n = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(n, -1, gguf.GGML_QUANT_SIZES[tensor_type][1])
-    d = blocks[..., :2].copy().view(np.float16)[..., 0]  # [n, sb]
-    scale = 2 * _sub_block_ls(blocks, tensor_type).astype(np.int16) + 1  # [n, sb, 8]
+    d = _d(blocks, tensor_type)  # [n, sb]
+    scale = 2 * _sub_block_ls(blocks, tensor_type).astype(np.int16) + 1  # [n, sb, 8 or 16]
     table = np.concatenate([-magnitudes[::-1], magnitudes, np.zeros(16 - 2 * len(magnitudes), np.int16)])
-    values = gguf.quants.dequantize(data, tensor_type).reshape(n, -1, 8, 32)
+    values = gguf.quants.dequantize(data, tensor_type).reshape(n, -1, scale.shape[-1], 256 // scale.shape[-1])
     step = d.astype(np.float32)[..., None, None] * scale[..., None] / np.float32(8)
     with np.errstate(divide="ignore", invalid="ignore"):
         codes = np.where(step != 0, values / np.where(step != 0, step, 1.0), 0.0)
     index = np.searchsorted(table[:2 * len(magnitudes)], codes).clip(0, 15)
     if not np.array_equal(table[index] * step, values):
         return None
+    index = index.reshape(n, -1, 8, 32)
+    if tensor_type in PER_16:
+        return torch.from_numpy(pack_iq4_tab16(d, scale, index, table)).view(n, -1, 152)
     xs = pack_iq4_xs(d, scale, index)
     return torch.from_numpy(np.ascontiguousarray(with_table(xs, table))).view(n, -1, 140)
+
+
+def _d(blocks: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Each block's fp16 d [n, sb]: its first 2 bytes, IQ1_M's the top 4 bits of its 4 scale words."""
+    if tensor_type != _TYPE.IQ1_M:
+        return blocks[..., :2].copy().view(np.float16)[..., 0]
+    words = blocks[..., 48:56].copy().view("<u2")  # qs [32] | qh [16] | scales [4] u16
+    bits = (words >> 12).astype(np.uint16) << (4 * np.arange(4, dtype=np.uint16))
+    return bits.sum(axis=-1, dtype=np.uint16).view(np.float16)
 
 
 def _sub_block_ls(blocks: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray:
@@ -90,5 +108,10 @@ def _sub_block_ls(blocks: np.ndarray, tensor_type: gguf.GGMLQuantizationType) ->
         return (blocks[..., 34:50].copy().view("<u2") >> 12) & 7
     if tensor_type == _TYPE.IQ3_XXS:  # d | grid indices [64] | 8 words: signs, ls in bits 28..31
         return blocks[..., 66:98].copy().view("<u4") >> 28
-    scales = blocks[..., 106:110]  # IQ3_S: ... | scales [4]: ls of 32-block 2 i + h in nibble h of byte i
-    return np.stack([scales & 0xF, scales >> 4], axis=-1).reshape(n, sb, 8)
+    if tensor_type == _TYPE.IQ1_M:  # qs [32] | qh [16] | 4 u16: ls of 16-block 4 w + i in bits 3 i .. of word w
+        words = blocks[..., 48:56].copy().view("<u2")[..., None] >> (3 * np.arange(4, dtype=np.uint16))
+        return (words & 7).reshape(n, sb, 16)
+    # IQ3_S: ... | scales [4] at 106, IQ2_XS: at 66 [8], IQ2_S: at 74 [8]; ls of block 2 i + h in nibble h of byte i
+    at, count = {_TYPE.IQ3_S: (106, 4), _TYPE.IQ2_XS: (66, 8), _TYPE.IQ2_S: (74, 8)}[tensor_type]
+    scales = blocks[..., at:at + count]
+    return np.stack([scales & 0xF, scales >> 4], axis=-1).reshape(n, sb, 2 * count)

@@ -1,6 +1,6 @@
 /* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 2.6 to 8.5 bits per
- * weight (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ4_TAB), x fp32 or bf16, fp32
- * accumulation.
+ * weight (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ4_TAB, IQ4_TAB16), x fp32 or
+ * bf16, fp32 accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
  * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
@@ -32,7 +32,9 @@
  *           sub-block's integer sum times its scale;
  *     IQ4_TAB: IQ4_XS with its own table of 16 values in each block, in eighths (a = d * scale / 8): the
  *           i-quants whose grids hold at most 16 values (IQ2_XXS, IQ1_S, IQ3_XXS, IQ3_S:
- *           models/requantize.py) in IQ4_XS's terms, exactly.
+ *           models/requantize.py) in IQ4_XS's terms, exactly;
+ *     IQ4_TAB16: IQ4_TAB's codes and table with Q6_K's d and int8 scale per 16 weights (two integer sums a
+ *           32-block, as Q6_K): IQ2_XS, IQ2_S, IQ1_M.
  *
  * Layout (kernels/quant_linear.py packs it once at load from GGUF's blocks; the same bytes, reordered): the
  * weight is cut into panels of 16 output rows, and each panel into its blocks along K (32 weights, K-quants:
@@ -64,6 +66,8 @@
  *                       32-block c (0..7): qs[4][16][4] as Q4_0's (GGUF's qs bytes 16 c + 4 g .. + 3)
  *     IQ4_TAB (2240 bytes): IQ4_XS's | table[16][4]: row l's 4 bytes of the 16 codes' values + 128 (bytes
  *                       4 (l % 4) ..: the line holds the table 4 times, once per 128-bit lane for vpshufb)
+ *     IQ4_TAB16 (2432 bytes): d[16] fp16 | scales[16][16] int8 as Q6_K's | 32 unused | per 32-block c:
+ *                       qs[4][16][4] as IQ4_XS's | table[16][4] as IQ4_TAB's
  *     Q6_K (3360 bytes): d[16] fp16 | scales[16][16] int8 (sub-block s of lane l at 16 s + l) | then per
  *                       32-block c (0..7) of the super-block, per half h: v[3][16][4]: byte (r, l, t) =
  *                       the code of K 32 c + 16 h + 4 r + t in bits 0..5, and bits 2 r, 2 r + 1 of the
@@ -139,14 +143,14 @@
 /* Bytes of one panel block and weights per format block. */
 static const int64_t PANEL_BYTES[QUANT_NUM_TYPES] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176,
                                                      NR * 20, NR * 24, NR * 136, NR * 36, NR * 110, NR * 84,
-                                                     NR * 140};
-static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256, 256, 256};
+                                                     NR * 140, NR * 152};
+static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256, 256, 256, 256};
 /* Every format, for the per-format tile copies (QTILE_FN) and their table by qtype: X(name, qtype). */
 #define QUANT_FORMATS(X)                                                                                     \
     X(tile_q8_0, QUANT_Q8_0) X(tile_q4_0, QUANT_Q4_0) X(tile_q4_k, QUANT_Q4_K) X(tile_q5_0, QUANT_Q5_0)      \
     X(tile_q6_k, QUANT_Q6_K) X(tile_q5_k, QUANT_Q5_K) X(tile_q4_1, QUANT_Q4_1) X(tile_q5_1, QUANT_Q5_1)      \
     X(tile_iq4_xs, QUANT_IQ4_XS) X(tile_iq4_nl, QUANT_IQ4_NL) X(tile_q3_k, QUANT_Q3_K) X(tile_q2_k, QUANT_Q2_K)    \
-    X(tile_iq4_tab, QUANT_IQ4_TAB)
+    X(tile_iq4_tab, QUANT_IQ4_TAB) X(tile_iq4_tab16, QUANT_IQ4_TAB16)
 #define QTILE_ENTRY(NAME, QT) [QT] = NAME,
 #define K5_HIGH 256  /* where a Q5_K panel block's fifth bits start (after the scales, before the codes) */
 /* Where a Q4_K / Q5_K panel block's 4-bit codes start: Q5_K's after its fifth bits, so that a 256-block is
@@ -160,7 +164,9 @@ static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 
 #define IS_LOW2(qtype) ((qtype) == QUANT_Q3_K || (qtype) == QUANT_Q2_K)
 /* Integer sums per 32-block: 2 for Q6_K, Q3_K, Q2_K (one per 16-weight sub-block, each with its own scale),
  * else 1. */
-static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K || IS_LOW2(qtype) ? 2 : 1; }
+/* Q6_K's int8 scale per 16 weights at 32 + 16 s + l (q6_scales) */
+#define Q6_SCALES(qtype) ((qtype) == QUANT_Q6_K || (qtype) == QUANT_IQ4_TAB16)
+static inline int sums_per_block(int qtype) { return Q6_SCALES(qtype) || IS_LOW2(qtype) ? 2 : 1; }
 
 /* The formats with a min per sub-block (w = a c - b): Q4_K and Q5_K, which share their scales' layout. A
  * macro: a plain expression of the literal qtype folds before the tile's loops are unrolled (as an inline
@@ -179,9 +185,14 @@ static inline int sums_per_block(int qtype) { return qtype == QUANT_Q6_K || IS_L
 #define TAB_AT 2176    /* where an IQ4_TAB panel block's table line starts (after IQ4_XS's bytes) */
 /* IQ4_XS and IQ4_TAB: one layout, IQ4_TAB's 16 code values in its block rather than IQ4_XS's table */
 #define IS_XS(qtype) ((qtype) == QUANT_IQ4_XS || (qtype) == QUANT_IQ4_TAB)
+/* IQ4_TAB16: IQ4_TAB's codes and table with Q6_K's d and int8 scale per 16 weights (two sums a 32-block) */
+#define TAB16_CODES 320  /* where an IQ4_TAB16 panel block's codes start (after d, the scales and a gap) */
+#define TAB16_AT 2368    /* where its table line starts */
+#define XS_CODES(qtype) (IS_XS(qtype) || (qtype) == QUANT_IQ4_TAB16)
+#define CODES_AT(qtype) ((qtype) == QUANT_IQ4_TAB16 ? TAB16_CODES : IQ4_CODES)
 /* What a block's fp16 d is multiplied by: IQ4_TAB's table is in eighths (w = d scale c / 8), so that the
  * grids' d stays the file's fp16 d (d / 8 is often no fp16) and their values stay integers. */
-#define D_UNIT(qtype) ((qtype) == QUANT_IQ4_TAB ? 0.125f : 1.0f)
+#define D_UNIT(qtype) ((qtype) == QUANT_IQ4_TAB || (qtype) == QUANT_IQ4_TAB16 ? 0.125f : 1.0f)
 #define Q3_CODES 224   /* where a Q3_K panel block's codes start (after d and the scales), 192 bytes a 32-block */
 #define Q2_CODES 320   /* where a Q2_K panel block's codes start (after d, dmin, the scales), 128 bytes a 32-block */
 /* IQ4_XS: llama.cpp's table of the 16 weight values (kvalues_iq4nl), + 128: the kernel's unsigned codes. */
@@ -190,7 +201,7 @@ static const uint8_t IQ4_CODE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 
 /* The 16 codes (value + 128) that IQ4_XS's, IQ4_NL's or IQ4_TAB's 4-bit indices stand for; blk: the panel
  * block (IQ4_TAB's 256-block), whose table line holds its table once per 16 bytes. */
 static inline const uint8_t *code_table(int qtype, const uint8_t *blk) {
-    return qtype == QUANT_IQ4_TAB ? blk + TAB_AT : IQ4_CODE;
+    return qtype == QUANT_IQ4_TAB ? blk + TAB_AT : qtype == QUANT_IQ4_TAB16 ? blk + TAB16_AT : IQ4_CODE;
 }
 
 /* Q6_K: the 16 lanes' int8 scales of half hf of 32-block j, in the panel block at blk. */
@@ -200,14 +211,14 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
 
 /* The K-quants (256-weight blocks whose sub-blocks carry integer scales): x is quantized per 256 for them,
  * so a whole block's integer sums add up as integers before one fp32 step (llama.cpp's Q8_K). */
-#define IS_K_QUANT(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q6_K || IS_XS(qtype) || IS_LOW2(qtype))
+#define IS_K_QUANT(qtype) (HAS_MINS(qtype) || Q6_SCALES(qtype) || IS_XS(qtype) || IS_LOW2(qtype))
 /* The K-quants whose sub-block scales are unpacked once per 256-block (kscale), rather than read per 32. */
 #define HAS_KSCALE(qtype) (HAS_MINS(qtype) || IS_XS(qtype) || IS_LOW2(qtype))
 /* The K-quants with a min per sub-block, subtracted once per 256-block as dmin dx sum_i min_i sum(q of i). */
 #define HAS_KMIN(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q2_K)
 /* Codes that are a signed int8 + 128 (Q8_0, IQ4_NL, IQ4_XS, IQ4_TAB): the AVX2 path multiplies |w| by x with w's
  * sign. */
-#define SIGNED_CODES(qtype) ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_NL || IS_XS(qtype))
+#define SIGNED_CODES(qtype) ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_NL || XS_CODES(qtype))
 #define KB 256  /* weights per K-quant block, and per x scale for them */
 
 /* x quantized: codes [M, K] int8, a scale per `span` values (32, or KB for the K-quants) [M, K / span],
@@ -318,7 +329,7 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
 /* o: the code of a zero weight in the formats without mins (w = a (c - o)); 0 in those with a min per block. */
 static inline float code_offset(int qtype) {
     switch (qtype) {
-    case QUANT_Q8_0: case QUANT_IQ4_NL: case QUANT_IQ4_XS: case QUANT_IQ4_TAB: return 128.0f;
+    case QUANT_Q8_0: case QUANT_IQ4_NL: case QUANT_IQ4_XS: case QUANT_IQ4_TAB: case QUANT_IQ4_TAB16: return 128.0f;
     case QUANT_Q6_K: return 32.0f;
     case QUANT_Q3_K: return 4.0f;
     case QUANT_Q5_0: return 16.0f;
@@ -351,10 +362,10 @@ static inline void q2_scale_min(const uint8_t *blk, int lane, int s, int *sc, in
 
 /* The weight w = a c - b at K index k (0..31) of 32-block j (of the panel block at blk) for row lane. */
 static void block_ab(int qtype, const uint8_t *blk, int lane, int j, int k, float *a, float *b) {
-    if (qtype == QUANT_Q6_K) {
+    if (Q6_SCALES(qtype)) {
         const int8_t sc = (int8_t)q6_scales(blk, j, k / 16)[lane];
-        *a = f16_to_f32(load_u16(blk + 2 * lane)) * (float)sc;
-        *b = *a * 32.0f;
+        *a = f16_to_f32(load_u16(blk + 2 * lane)) * D_UNIT(qtype) * (float)sc;
+        *b = *a * code_offset(qtype);
         return;
     }
     if (qtype == QUANT_Q3_K) {
@@ -397,8 +408,8 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
         if (g % 4 < 3) return v[64 * (g % 4)] & 63;
         return (v[0] >> 6) | ((v[64] >> 6) << 2) | ((v[128] >> 6) << 4);
     }
-    if (IS_XS(qtype) || qtype == QUANT_IQ4_NL) {
-        const uint8_t *v = blk + (IS_XS(qtype) ? IQ4_CODES + 256 * (j % 8) : 32) + 64 * (g % 4) + 4 * lane + t;
+    if (XS_CODES(qtype) || qtype == QUANT_IQ4_NL) {
+        const uint8_t *v = blk + (XS_CODES(qtype) ? CODES_AT(qtype) + 256 * (j % 8) : 32) + 64 * (g % 4) + 4 * lane + t;
         return code_table(qtype, blk)[(*v >> (g < 4 ? 0 : 4)) & 0xf];
     }
     if (qtype == QUANT_Q3_K) {
@@ -447,8 +458,8 @@ INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
     }
     if (qtype == QUANT_Q2_K)
         return (load_lanes(blk + Q2_CODES + 128 * (j % 8) + 64 * (g / 4)) >> (2 * (g % 4))) & 0x03030303u;
-    if (IS_XS(qtype) || qtype == QUANT_IQ4_NL) {  /* each index through the table */
-        const int at = IS_XS(qtype) ? IQ4_CODES + 256 * (j % 8) : 32;
+    if (XS_CODES(qtype) || qtype == QUANT_IQ4_NL) {  /* each index through the table */
+        const int at = XS_CODES(qtype) ? CODES_AT(qtype) + 256 * (j % 8) : 32;
         const LaneWords v = (load_lanes(blk + at + 64 * (g % 4)) >> (g < 4 ? 0 : 4)) & 0x0f0f0f0fu;
         const uint8_t *table = code_table(qtype, blk);
         LaneWords c = (LaneWords){0};
@@ -494,7 +505,7 @@ INLINE void k_scales(int qtype, const uint8_t *blk, int j, LaneInts sc[2], LaneI
             }
             continue;
         }
-        if (qtype == QUANT_Q6_K) {
+        if (Q6_SCALES(qtype)) {
             for (int hf = 0; hf < 2; hf++) sc[hf][lane] = (int8_t)q6_scales(blk, j, hf)[lane];
             continue;
         }
@@ -597,8 +608,8 @@ INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
         const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(v + 128), g), _mm256_set1_epi8(1));
         return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 2));
     }
-    if (IS_XS(qtype) || qtype == QUANT_IQ4_NL) {  /* the indices through the table, a byte shuffle per 16 */
-        const __m256i v = load256(blk + (IS_XS(qtype) ? IQ4_CODES + 256 * j : 32) + 64 * (g % 4) + 32 * h);
+    if (XS_CODES(qtype) || qtype == QUANT_IQ4_NL) {  /* the indices through the table, a byte shuffle per 16 */
+        const __m256i v = load256(blk + (XS_CODES(qtype) ? CODES_AT(qtype) + 256 * j : 32) + 64 * (g % 4) + 32 * h);
         const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)code_table(qtype, blk)));
         return _mm256_shuffle_epi8(table, _mm256_and_si256(g < 4 ? v : _mm256_srli_epi16(v, 4), low));
     }
@@ -724,7 +735,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             if (IS_XS(qtype)) sc[0][h] = iq4_scale_half(blk, jj, h);
             if (qtype == QUANT_Q3_K)
                 for (int hf = 0; hf < 2; hf++) sc[hf][h] = q3_scale_half(blk, 2 * jj + hf, h);
-            for (int hf = 0; hf < halves && qtype == QUANT_Q6_K; hf++)
+            for (int hf = 0; hf < halves && Q6_SCALES(qtype); hf++)
                 sc[hf][h] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q6_scales(blk, j, hf) + 8 * h)));
         }
         /* the block's integer sum, the K-quants' times their scales (zeroed: gcc does not see hf 0 set it) */
@@ -783,7 +794,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         }
         for (int h = 0; h < 2; h++) {
             __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
-            if (qtype == QUANT_IQ4_TAB) a = _mm256_mul_ps(a, _mm256_set1_ps(D_UNIT(qtype)));
+            if (D_UNIT(qtype) != 1.0f) a = _mm256_mul_ps(a, _mm256_set1_ps(D_UNIT(qtype)));
             const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
 #pragma GCC unroll 4
             for (int m = 0; m < mr; m++) {
@@ -849,9 +860,9 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
         const __m512i third = g < 2 ? _mm512_slli_epi16(hb, 2 - g) : g > 2 ? _mm512_srli_epi16(hb, g - 2) : hb;
         return _mm512_ternarylogic_epi32(lo, third, _mm512_set1_epi8(4), 0xF8);
     }
-    if (IS_XS(qtype) || qtype == QUANT_IQ4_NL) {  /* the indices through the table, a byte shuffle per 16 */
+    if (XS_CODES(qtype) || qtype == QUANT_IQ4_NL) {  /* the indices through the table, a byte shuffle per 16 */
         const __m512i v =
-            _mm512_loadu_si512(blk + (IS_XS(qtype) ? IQ4_CODES + 256 * j : 32) + 64 * (g % 4));
+            _mm512_loadu_si512(blk + (XS_CODES(qtype) ? CODES_AT(qtype) + 256 * j : 32) + 64 * (g % 4));
         const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)code_table(qtype, blk)));
         return _mm512_shuffle_epi8(table, _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low));
     }
@@ -989,8 +1000,8 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
 #ifndef SINGLE_PREFETCH_BYTES
 #define SINGLE_PREFETCH_BYTES 12288
 #endif
-static int single_prefetch[QUANT_NUM_TYPES] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-_Static_assert(QUANT_NUM_TYPES == 13, "single_prefetch starts at 1 for each format");
+static int single_prefetch[QUANT_NUM_TYPES] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+_Static_assert(QUANT_NUM_TYPES == 14, "single_prefetch starts at 1 for each format");
 
 void gemm_quant_set_single_prefetch_for(int qtype, int level) {
     if (qtype >= 0 && qtype < QUANT_NUM_TYPES) single_prefetch[qtype] = level;
@@ -1032,7 +1043,7 @@ INLINE void k_block_end(int qtype, const QuantRows *x, int64_t m0, int mr, const
 #pragma GCC unroll 4
     for (int z = 0; z < nz; z++) {
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z]));
-        if (qtype == QUANT_IQ4_TAB) d = _mm512_mul_ps(d, _mm512_set1_ps(D_UNIT(qtype)));
+        if (D_UNIT(qtype) != 1.0f) d = _mm512_mul_ps(d, _mm512_set1_ps(D_UNIT(qtype)));
         __m512 dmin = _mm512_setzero_ps();
         __m512i mins[4];  /* Q4_K, Q5_K: k4_unpack's 2; Q2_K: 4 vectors of 4 mins a lane */
         if (HAS_KMIN(qtype)) dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[z] + 32)));
@@ -1404,6 +1415,7 @@ static const Piece PIECES[QUANT_NUM_TYPES][5] = {
     {{108, 0, 2, 2}, {96, 32, 12, 4}},                                 /* Q3_K: d | scales (codes: below) */
     {{80, 0, 2, 2}, {82, 32, 2, 2}, {0, 64, 16, 4}},                   /* Q2_K: d | dmin | scales (codes: below) */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 4, 4}, {136, TAB_AT, 4, 4}}, /* IQ4_TAB: IQ4_XS's | table share */
+    {{0, 0, 2, 2}, {2, 32, 16, 1}, {146, TAB16_AT, 4, 4}},             /* IQ4_TAB16: d | scales | table share */
 };
 
 /* Q3_K's and Q2_K's 256 codes of row lane (GGUF: Q3_K hmask[32] | qs[64] | scales[12] | d, Q2_K scales[16] |
@@ -1420,11 +1432,11 @@ static void pack_low2_codes(int qtype, const uint8_t *src, int lane, uint8_t *ds
     }
 }
 
-/* IQ4_XS's qs (GGUF: 16 bytes per 32-block, at 8) of row lane -> each 32-block's codes as Q4_0's. */
+/* IQ4_XS's qs (GGUF: 16 bytes per 32-block; IQ4_TAB16's likewise) of row lane -> each 32-block's codes as
+ * Q4_0's, from dst on. */
 static void pack_iq4_xs_codes(const uint8_t *src, int lane, uint8_t *dst) {
     for (int c = 0; c < 8; c++)
-        for (int u = 0; u < 4; u++)
-            memcpy(dst + IQ4_CODES + 256 * c + 4 * (NR * u + lane), src + 8 + 16 * c + 4 * u, 4);
+        for (int u = 0; u < 4; u++) memcpy(dst + 256 * c + 4 * (NR * u + lane), src + 16 * c + 4 * u, 4);
 }
 
 /* Q5_0's or Q5_1's qh (bit k: the fifth bit of K k) of row lane -> hb byte t: bit g = the fifth bit of K
@@ -1463,7 +1475,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
     for (int64_t p = 0; p < N / NR; p++)
         for (int64_t j = 0; j < nb; j++) {
             uint8_t *dst = (uint8_t *)out + (p * nb + j) * PANEL_BYTES[qtype];
-            if (qtype == QUANT_Q6_K || IS_LOW2(qtype))  /* their code packers OR bits in */
+            if (qtype == QUANT_Q6_K || IS_LOW2(qtype) || qtype == QUANT_IQ4_TAB16)  /* OR bits in; a gap */
                 memset(dst, 0, (size_t)PANEL_BYTES[qtype]);
             for (int l = 0; l < NR; l++) {
                 const uint8_t *src = (const uint8_t *)blocks + ((p * NR + l) * nb + j) * bb;
@@ -1475,7 +1487,8 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
                 if (IS_FIFTH_32(qtype))  /* qh after d (and m) */
                     pack_high_bits(src + (HAS_BLOCK_MIN(qtype) ? 4 : 2), l, dst + FIFTH_AT(qtype));
                 if (qtype == QUANT_Q6_K) pack_q6_k_codes(src, l, dst);
-                if (IS_XS(qtype)) pack_iq4_xs_codes(src, l, dst);
+                if (IS_XS(qtype)) pack_iq4_xs_codes(src + 8, l, dst + IQ4_CODES);
+                if (qtype == QUANT_IQ4_TAB16) pack_iq4_xs_codes(src + 18, l, dst + TAB16_CODES);
                 if (IS_LOW2(qtype)) pack_low2_codes(qtype, src, l, dst);
             }
             if (qtype == QUANT_Q8_0) /* int8 -> code + 128: the kernel's unsigned operand */
