@@ -198,8 +198,8 @@ static inline int sums_per_block(int qtype) { return Q6_SCALES(qtype) || IS_LOW2
 /* IQ4_XS: llama.cpp's table of the 16 weight values (kvalues_iq4nl), + 128: the kernel's unsigned codes. */
 static const uint8_t IQ4_CODE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
-/* The 16 codes (value + 128) that IQ4_XS's, IQ4_NL's or IQ4_TAB's 4-bit indices stand for; blk: the panel
- * block (IQ4_TAB's 256-block), whose table line holds its table once per 16 bytes. */
+/* The 16 codes (value + 128) that IQ4_XS's, IQ4_NL's, IQ4_TAB's or IQ4_TAB16's 4-bit indices stand for; blk:
+ * the panel block (the 256-block), whose table line holds its table once per 16 bytes. */
 static inline const uint8_t *code_table(int qtype, const uint8_t *blk) {
     return qtype == QUANT_IQ4_TAB ? blk + TAB_AT : qtype == QUANT_IQ4_TAB16 ? blk + TAB16_AT : IQ4_CODE;
 }
@@ -216,7 +216,7 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
 #define HAS_KSCALE(qtype) (HAS_MINS(qtype) || IS_XS(qtype) || IS_LOW2(qtype))
 /* The K-quants with a min per sub-block, subtracted once per 256-block as dmin dx sum_i min_i sum(q of i). */
 #define HAS_KMIN(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q2_K)
-/* Codes that are a signed int8 + 128 (Q8_0, IQ4_NL, IQ4_XS, IQ4_TAB): the AVX2 path multiplies |w| by x with w's
+/* Codes that are a signed int8 + 128 (Q8_0, IQ4_NL, IQ4_XS's codes): the AVX2 path multiplies |w| by x with w's
  * sign. */
 #define SIGNED_CODES(qtype) ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_NL || XS_CODES(qtype))
 #define KB 256  /* weights per K-quant block, and per x scale for them */
