@@ -56,8 +56,7 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
         data = with_table(xs, IQ4_VALUES)
     elif name == "iq4_tab16":  # the same, each 32-weight scale twice
         d, scale, index = _xs_fields(quantize_iq4_xs(values).reshape(values.shape[0], -1, 136))
-        d8 = (d.astype(np.float16) * np.float16(8))
-        data = pack_iq4_tab16(d8, np.repeat(scale, 2, axis=-1), index, IQ4_VALUES)
+        data = pack_iq4_tab16(d * np.float16(8), np.repeat(scale, 2, axis=-1), index, IQ4_VALUES)
     elif name == "iq4_nl":
         data = quantize_iq4_nl(values)
     elif name == "q3_k":
@@ -97,14 +96,19 @@ def pack_iq4_tab16(d: np.ndarray, sc: np.ndarray, index: np.ndarray, table: np.n
 
 def _xs_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """IQ4_XS's (or IQ4_TAB's) blocks [n, nb, >= 136] -> fp16 d [n, nb], scales [n, nb, 8], indices [n, nb, 8, 32]."""
-    n, nb = blocks.shape[:2]
     d = blocks[..., :2].copy().view(np.float16)[..., 0]
     scales_h = blocks[..., 2:4].copy().view("<u2")  # [n, nb, 1]
     sub = np.arange(8)
     low = (blocks[..., 4 + sub // 2] >> (4 * (sub % 2))) & 0xF  # [n, nb, 8]
     scale = (low | (((scales_h >> (2 * sub)) & 3) << 4)).astype(np.int16) - 32
-    qs = blocks[..., 8:136].reshape(n, nb, 8, 16)
-    return d, scale, np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # indices: K 0..15, then 16..31
+    return d, scale, _indices(blocks[..., 8:136])
+
+
+def _indices(qs: np.ndarray) -> np.ndarray:
+    """IQ4_XS's qs [n, nb, 128] -> the 4-bit indices [n, nb, 8, 32] (per 32-block: K 0..15 in the low
+    nibbles, 16..31 in the high ones)."""
+    qs = qs.reshape(*qs.shape[:2], 8, 16)
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
 
 
 def dequantize_iq4_tab(blocks: np.ndarray) -> np.ndarray:
@@ -117,8 +121,7 @@ def dequantize_iq4_tab(blocks: np.ndarray) -> np.ndarray:
         d, scale, index = _xs_fields(blocks)
     else:
         d, scale = blocks[..., :2].copy().view(np.float16)[..., 0], blocks[..., 2:18].view(np.int8)
-        qs = blocks[..., 18:146].reshape(n, nb, 8, 16)
-        index = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+        index = _indices(blocks[..., 18:146])
     values = np.take_along_axis(table[None, :, None, :], index.reshape(n, nb, 1, 256).astype(np.int64),
                                 axis=-1).reshape(n, nb, scale.shape[-1], -1)
     step = d.astype(np.float32)[..., None] * scale.astype(np.float32)
