@@ -8,8 +8,8 @@ models/quantization.py's plain one. As llama-quantize does, a matrix whose rows 
 256-weight super-blocks falls back to a 32-block format (here Q4_0; llama.cpp picks Q5_0); 1-D tensors
 (norms) stay F32. `--tensor-type REGEX=TYPE` (as llama-quantize's) writes the matrices whose GGUF name
 matches REGEX in TYPE instead, also in q5_0, q5_k or q6_k (the K-quants: K a multiple of 256), or in a
-type the kernel does not serve (tq2_0, K a multiple of 256: gguf-py quantizes it): the mixed files that
-llama-quantize's Q4_K_M and the like are.
+type the kernel serves only through models/requantize.py, which gguf-py quantizes (tq2_0, K a multiple of
+256, and mxfp4): the mixed files that llama-quantize's Q4_K_M and the like are.
 
     .venv/bin/python scripts/quantize_gguf.py OUT.gguf --type q8_0|q4_0|q4_1|q5_1|q4_k [--model IN.gguf] \
         [--tensor-type 'blk\.0\.attn_v=q5_0' ...]
@@ -31,8 +31,8 @@ _FILE_TYPES = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileTyp
                "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
                "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S}
 _FALLBACK = "q4_0"  # for a Q4_K file's matrices with K % 256 != 0
-# For --tensor-type, types the kernel does not serve that gguf-py quantizes.
-_OTHER_TYPES = {"tq2_0": gguf.GGMLQuantizationType.TQ2_0}
+# For --tensor-type, types the kernel does not serve as they are that gguf-py quantizes.
+_OTHER_TYPES = {"tq2_0": gguf.GGMLQuantizationType.TQ2_0, "mxfp4": gguf.GGMLQuantizationType.MXFP4}
 
 
 def _blocks(values: np.ndarray, fmt: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:

@@ -132,7 +132,8 @@ def test_quantized_gguf_keeps_its_bytes_and_matches_its_dequantized_weights(quan
 
 
 # As llama-quantize's mixes do: some attn_v and ffn_down in other types, a fused q | k | v of two formats.
-MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.1[0-2]\.ffn_down=tq2_0", r"blk\.13\.ffn_down=q3_k",
+MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.10\.ffn_down=mxfp4", r"blk\.1[12]\.ffn_down=tq2_0",
+       r"blk\.13\.ffn_down=q3_k",
        r"blk\.14\.ffn_down=q2_k",
        r"blk\.2[0-4]\.attn_k=q8_0",
        r"blk\.2[5-9]\.ffn_down=q5_0", r"blk\.[5-9]\.ffn_down=q6_k", r"blk\.1[5-9]\.ffn_down=q5_k",
@@ -141,10 +142,10 @@ MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.1[0-2]\.ffn_down=tq2_0", r"blk\.13\.ff
 
 
 def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quantized_gguf) -> None:
-    """A TQ2_0 matrix becomes Q8_0 (requantized), and so does q | k | v of mixed formats (exactly from a
-    Q5_0 v); a Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K or IQ4_XS ffn_down and an IQ4_NL gate | up stay as they are (their
-    values exactly): no dense matrix, a little more than the file's bytes, greedy output ranked by its
-    dequantized weights as the plain files' is."""
+    """An MXFP4 matrix becomes Q8_0 (requantized), and so does q | k | v of mixed formats (exactly from a
+    Q5_0 v); a TQ2_0 one IQ4_TAB (exactly); a Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K or IQ4_XS ffn_down and an
+    IQ4_NL gate | up stay as they are (their values exactly): no dense matrix, a little more than the file's
+    bytes, greedy output ranked by its dequantized weights as the plain files' is."""
     path = quantized_gguf("q4_0", *MIX)
     llm = LLM(str(path), **ENGINE)
     model = _model(llm)
@@ -158,6 +159,8 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     assert quant_type(model.layers[0].down_proj).name == "iq4_xs"
     assert quant_type(model.layers[13].down_proj).name == "q3_k"
     assert quant_type(model.layers[14].down_proj).name == "q2_k"
+    assert quant_type(model.layers[10].down_proj).name == "q8_0"
+    assert quant_type(model.layers[11].down_proj).name == "iq4_tab"
     assert quant_type(model.layers[0].gate_up_proj).name == "iq4_nl"
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() > 1)
     assert model_bytes <= 1.2 * _matrix_bytes(path)
@@ -166,13 +169,13 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     v_dense = torch.from_numpy(gguf.quants.dequantize(v.data, v.tensor_type))
     rows = torch.arange(quantized_shape(layer0)[0] - v_dense.shape[0], quantized_shape(layer0)[0])
     assert torch.equal(quantized_rows(rows, layer0.data, torch.float32), v_dense)
-    down = reader["blk.10.ffn_down.weight"]  # TQ2_0: within Q8_0's rounding (and its fp16 scale's)
+    down = reader["blk.10.ffn_down.weight"]  # MXFP4: within Q8_0's rounding (and its fp16 scale's)
     down_dense = torch.from_numpy(gguf.quants.dequantize(down.data, down.tensor_type))
     served = quantized_rows(torch.arange(down_dense.shape[0]), model.layers[10].down_proj.data, torch.float32)
     block_max = down_dense.abs().reshape(down_dense.shape[0], -1, 32).amax(-1, keepdim=True)
     error = (served - down_dense).abs().reshape(block_max.shape[0], -1, 32)
     assert (error <= block_max * (1 / 254 + 1 / 1024)).all()
-    for layer in (5, 15, 20, 0, 13, 14):  # Q6_K, Q5_K, Q5_1, IQ4_XS, Q3_K, Q2_K
+    for layer in (5, 15, 20, 0, 13, 14, 11):  # Q6_K, Q5_K, Q5_1, IQ4_XS, Q3_K, Q2_K, TQ2_0
         down_k = reader[f"blk.{layer}.ffn_down.weight"]
         down_k_dense = torch.from_numpy(gguf.quants.dequantize(down_k.data, down_k.tensor_type))
         served_k = quantized_rows(torch.arange(down_k_dense.shape[0]), model.layers[layer].down_proj.data,
@@ -183,7 +186,7 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     served_gate = quantized_rows(torch.arange(gate_dense.shape[0]), model.layers[0].gate_up_proj.data, torch.float32)
     assert torch.equal(served_gate, gate_dense)
     _check_against_dequantized(llm, {"q4_0", "q8_0", "q5_0", "q5_1", "q5_k", "q6_k", "iq4_xs", "iq4_nl",
-                                     "q3_k", "q2_k"})
+                                     "q3_k", "q2_k", "iq4_tab"})
 
 
 def test_hf_folder_quantized_at_load_matches_its_dequantized_weights(hf_folder: Path) -> None:
@@ -218,6 +221,6 @@ def test_a_file_mostly_in_other_types_is_served_dense() -> None:
         return SimpleNamespace(shape=[64, 64], n_bytes=n_bytes, tensor_type=kind)
 
     norm = SimpleNamespace(shape=[64], n_bytes=10**6, tensor_type=gguf.GGMLQuantizationType.F32)
-    tq2, q4_1 = gguf.GGMLQuantizationType.TQ2_0, gguf.GGMLQuantizationType.Q4_1
-    assert _mostly_served([tensor(q4_1, 60), tensor(tq2, 40), norm])
-    assert not _mostly_served([tensor(q4_1, 40), tensor(tq2, 60), norm])
+    mxfp4, q4_1 = gguf.GGMLQuantizationType.MXFP4, gguf.GGMLQuantizationType.Q4_1
+    assert _mostly_served([tensor(q4_1, 60), tensor(mxfp4, 40), norm])
+    assert not _mostly_served([tensor(q4_1, 40), tensor(mxfp4, 60), norm])

@@ -1,6 +1,7 @@
 """models/requantize.py: GGUF matrices of types the kernel does not serve become served blocks, IQ2_XXS,
-IQ1_S, IQ3_XXS and IQ3_S as IQ4_TAB, IQ2_XS, IQ2_S and IQ1_M as IQ4_TAB16, with the very values gguf-py
-dequantizes them to, the rest as Q8_0; the loader takes that way for them and counts such files as served."""
+IQ1_S, IQ3_XXS, IQ3_S, TQ1_0 and TQ2_0 as IQ4_TAB, IQ2_XS, IQ2_S and IQ1_M as IQ4_TAB16, with the very values
+gguf-py dequantizes them to, the rest (MXFP4 here) as Q8_0; the loader takes that way for them and counts such
+files as served."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from cobatch.models.loader import _gguf_tensor, _mostly_served
 from cobatch.models.quantization import dequantize
-from cobatch.models.requantize import PER_16, TABLES, to_iq4_tab, to_served
+from cobatch.models.requantize import D_LAST, PER_16, TABLES, to_iq4_tab, to_served
 
 GRIDS = sorted(TABLES, key=lambda t: t.name)
 
@@ -29,7 +30,7 @@ def _random_blocks(kind: gguf.GGMLQuantizationType, rows: int, k: int, d: list[f
         words = blocks[..., 48:56].copy().view("<u2")
         nibbles = (bits[..., None] >> (4 * np.arange(4, dtype=np.uint16))) & 0xF
         blocks[..., 48:56] = ((words & 0x0FFF) | (nibbles << 12).astype(np.uint16)).view(np.uint8)
-    elif kind == gguf.GGMLQuantizationType.TQ2_0:  # d last
+    elif kind in D_LAST:
         blocks[..., -2:] = bits[..., None].view(np.uint8)
     else:
         blocks[..., :2] = bits[..., None].view(np.uint8)
@@ -48,8 +49,8 @@ def test_grid_types_become_iq4_tab_exactly(kind: gguf.GGMLQuantizationType) -> N
 
 
 def test_other_types_become_q8_0() -> None:
-    kind = gguf.GGMLQuantizationType.TQ2_0  # ternary: no grid
-    data = _random_blocks(kind, 16, 512, [0.02])
+    kind = gguf.GGMLQuantizationType.MXFP4  # a power of 2 per 32 weights times one of 15 values: no served type
+    data = gguf.quants.quantize(np.random.default_rng(3).normal(0, 0.02, (16, 512)).astype(np.float32), kind)
     want = torch.from_numpy(gguf.quants.dequantize(data, kind))
     blocks = to_served(data, kind)
     assert blocks.shape == (16, 16, 34)
@@ -66,6 +67,6 @@ def test_the_loader_keeps_grid_types_as_iq4_tab_and_counts_them_served(kind: ggu
     fmt, size = ("iq4_tab16", 152) if kind in PER_16 else ("iq4_tab", 140)
     assert weight.shape == (16, 2, size)
     assert torch.equal(dequantize(weight, fmt), torch.from_numpy(gguf.quants.dequantize(data, kind)))
-    other = SimpleNamespace(shape=[64, 64], n_bytes=data.nbytes // 2, tensor_type=gguf.GGMLQuantizationType.TQ2_0)
+    other = SimpleNamespace(shape=[64, 64], n_bytes=data.nbytes // 2, tensor_type=gguf.GGMLQuantizationType.MXFP4)
     assert _mostly_served([tensor, other])
     assert not _mostly_served([SimpleNamespace(**{**vars(tensor), "n_bytes": data.nbytes // 4}), other])

@@ -276,7 +276,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
 
 def _mostly_served(tensors: list) -> bool:
     """Whether most of a file's matrix bytes are in types the quantized kernel serves, or converts to one
-    exactly (the grid types: requantize.TABLES). A file mostly in other types (TQ1_0, TQ2_0 ...) is served
+    exactly (the grid types: requantize.TABLES). A file mostly in other types (MXFP4, NVFP4 ...) is served
     dense: requantizing most of it to Q8_0 would change the numerics of all of it."""
     matrices = [t for t in tensors if len(t.shape) == 2]
     served = sum(int(t.n_bytes) for t in matrices

@@ -6,8 +6,9 @@ projection's parts can differ in format; they become blocks of a served type rat
 without loss: Q4_0, Q5_0 and IQ4_NL to Q8_0 (one fp16 scale per 32 weights, integer codes within int8),
 IQ2_XXS, IQ1_S, IQ3_XXS and IQ3_S to IQ4_TAB (their weights are an fp16 d times an integer scale per 32
 weights times one of at most 16 grid values: IQ4_XS's layout with that table, at 4.375 bits a weight against
-Q8_0's 8.5), IQ2_XS, IQ2_S and IQ1_M (a scale per 16 weights) to IQ4_TAB16 (4.75 bits). Every other type is
-requantized to Q8_0 from its dequantized values.
+Q8_0's 8.5), and so do the ternary TQ1_0 and TQ2_0 (d times -1, 0 or 1, a scale of 1); IQ2_XS, IQ2_S and IQ1_M
+(a scale per 16 weights) to IQ4_TAB16 (4.75 bits). Every other type (MXFP4, NVFP4, ...) is requantized to Q8_0
+from its dequantized values.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ TABLES = {_TYPE.IQ2_XXS: np.array([8, 25, 43], np.int16), _TYPE.IQ1_S: np.array(
           _TYPE.IQ3_XXS: np.array([8, 24, 40, 56, 72, 88, 104, 124], np.int16),
           _TYPE.IQ3_S: np.arange(8, 121, 16, dtype=np.int16),
           _TYPE.IQ2_XS: np.array([8, 25, 43], np.int16), _TYPE.IQ2_S: np.array([8, 25, 43], np.int16),
-          _TYPE.IQ1_M: np.array([1, 7, 9], np.int16)}
+          _TYPE.IQ1_M: np.array([1, 7, 9], np.int16),
+          # ternary, with 0 in the table (searched as -0); TQ2_0's 2-bit code 3 stands for 2 (gguf-py, llama.cpp)
+          _TYPE.TQ1_0: np.array([0, 8, 16], np.int16), _TYPE.TQ2_0: np.array([0, 8, 16], np.int16)}
+# the types whose fp16 d is their blocks' last 2 bytes
+D_LAST = frozenset((_TYPE.TQ1_0, _TYPE.TQ2_0))
 # those with a scale per 16 weights: IQ4_TAB16
 PER_16 = frozenset((_TYPE.IQ2_XS, _TYPE.IQ2_S, _TYPE.IQ1_M))
 
@@ -60,15 +65,16 @@ def to_q8_0(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.T
 
 
 def to_iq4_tab(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor | None:
-    """An IQ2_XXS, IQ1_S, IQ3_XXS or IQ3_S matrix [N, row bytes] -> IQ4_TAB blocks [N, K / 256, 140] of the
-    same values; an IQ2_XS, IQ2_S or IQ1_M one -> IQ4_TAB16 blocks [N, K / 256, 152] (None, then Q8_0,
-    should one not come back exactly).
+    """An IQ2_XXS, IQ1_S, IQ3_XXS, IQ3_S, TQ1_0 or TQ2_0 matrix [N, row bytes] -> IQ4_TAB blocks
+    [N, K / 256, 140] of the same values; an IQ2_XS, IQ2_S or IQ1_M one -> IQ4_TAB16 blocks [N, K / 256, 152]
+    (None, then Q8_0, should one not come back exactly).
 
     Each is w = d x s x c / 8 per 32 weights (16: PER_16): d the file's fp16 d, s = 2 ls + 1 (ls: the type's
     3- or 4-bit scale), c one of at most 16 integers (TABLES: IQ4_TAB's table is in eighths):
     IQ2_XXS: w = d (0.5 + ls) / 4 x g, g in +-{8, 25, 43};  IQ1_S: w = d (2 ls + 1) (g +- 1/8), g in {-1, 0, 1};
     IQ3_XXS: w = d (0.5 + ls) / 2 x g, g in +-{4, 12, ..., 52, 62};  IQ3_S: w = d (1 + 2 ls) x g, g odd, |g| < 16;
-    IQ2_XS, IQ2_S as IQ2_XXS, IQ1_M as IQ1_S (its delta per 8 weights, its d in its scales' top bits).
+    IQ2_XS, IQ2_S as IQ2_XXS, IQ1_M as IQ1_S (its delta per 8 weights, its d in its scales' top bits);
+    TQ1_0, TQ2_0: w = d x (c - 1), c in 0..2 (TQ2_0: 0..3), ls = 0.
     The codes come from gguf-py's dequantized values (exact products in fp32), checked to give them back."""
     magnitudes = TABLES[tensor_type]
     n = data.shape[0]
@@ -91,7 +97,10 @@ def to_iq4_tab(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torc
 
 
 def _d(blocks: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray:
-    """Each block's fp16 d [n, sb]: its first 2 bytes, IQ1_M's the top 4 bits of its 4 scale words."""
+    """Each block's fp16 d [n, sb]: its first 2 bytes (D_LAST: its last), IQ1_M's the top 4 bits of its 4
+    scale words."""
+    if tensor_type in D_LAST:
+        return blocks[..., -2:].copy().view(np.float16)[..., 0]
     if tensor_type != _TYPE.IQ1_M:
         return blocks[..., :2].copy().view(np.float16)[..., 0]
     words = blocks[..., 48:56].copy().view("<u2")  # qs [32] | qh [16] | scales [4] u16
@@ -102,6 +111,8 @@ def _d(blocks: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray
 def _sub_block_ls(blocks: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray:
     """Each 32-weight sub-block's ls [n, sb, 8] from the type's blocks [n, sb, block bytes]."""
     n, sb = blocks.shape[:2]
+    if tensor_type in D_LAST:  # no scale: ls = 0 is a scale of 1
+        return np.zeros((n, sb, 8), np.uint8)
     if tensor_type == _TYPE.IQ2_XXS:  # d | 8 x (4 grid indices | 4 x 7 sign bits, ls in bits 28..31)
         return blocks[..., 2:66].copy().view("<u4").reshape(n, sb, 8, 2)[..., 1] >> 28
     if tensor_type == _TYPE.IQ1_S:  # d | qs [32] | qh [8] u16: ls in bits 12..14
