@@ -3,16 +3,16 @@
 scripts/quant_microbench.py times the library's own build against the read bandwidth; this one compares builds.
 
 Each format (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K) on an N x K matrix at M = 1 and 16 rows, weights
-out of cache (a ring of copies larger than the last-level cache; --in-cache: one copy, for a matrix that fits in
-L2), against torch's fp32 `F.linear` on the dense matrix (a ring too), each build's time also as GB/s of weights. Builds:
-this CPU's own path (AVX-512 VNNI, AVX2 or plain C), the plain C path (-DQUANT_SCALAR),
+out of cache (a ring of copies, --ring-mb, many times the last-level cache; --in-cache: one copy, for a matrix that
+fits in L2), against torch's fp32 `F.linear` on the dense matrix (a ring too), each build's time also as GB/s
+of weights. Builds: this CPU's own path (AVX-512 VNNI, AVX2 or plain C), the plain C path (-DQUANT_SCALAR),
 with --baseline REV the gemm_quant.c of a git revision (its own default path), and with --variant
 NAME='-DX=1 ...' this tree's built with those flags (retuning a #define); each compiled alone with the
 library's flags. Prints a table and writes JSON.
 
     .venv/bin/python scripts/quant_builds_microbench.py [--baseline HEAD~1] [--n 1536 --k 1536] [--json PATH]
         [--rows 1,16] [--rounds 1] [--formats q8_0,q4_0,q4_k,...] [--variant NAME=FLAGS ...]
-        [--single-stream [--no-single-prefetch | --single-prefetch-l2]] [--wide-tiles] [--in-cache]
+        [--single-stream [--no-single-prefetch | --single-prefetch-l2]] [--wide-tiles] [--in-cache] [--ring-mb 512]
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ from cobatch.models.quantization import quantize
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "cobatch/kernels/csrc"
 QTYPES = {name: fmt.qtype for name, fmt in FORMATS.items()}
-RING_BYTES = 96 << 20  # past any last-level cache here
+# A ring 3x this Zen 4's 32 MB L3 (96 MB) still left part of each pass there: its replacement keeps part of a
+# cyclic set larger than itself, and one row read 1.2-1.4x above the DRAM rate (Q4_K 11264 x 2048: 34.4 GB/s
+# against 24.9 with 512 MB, 25.6 on a model's 22 gate | up matrices, 285 MB).
+RING_MB = 512
 
 
 def build(source: Path, header_dir: Path, flags: tuple[str, ...], out: Path) -> ctypes.CDLL:
@@ -79,15 +82,15 @@ def seconds_per_call(fn: Callable[[], None], budget_s: float = 0.5) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def ring(tensor: torch.Tensor, in_cache: bool = False) -> list[torch.Tensor]:
-    """Copies of `tensor` on huge pages, as the engine keeps its weights (kernels/hugepages.py); one if
-    `in_cache`."""
-    copies = 1 if in_cache else max(2, RING_BYTES // (tensor.numel() * tensor.element_size()))
+def ring(tensor: torch.Tensor, in_cache: bool = False, ring_mb: int = RING_MB) -> list[torch.Tensor]:
+    """Copies of `tensor` on huge pages, as the engine keeps its weights (kernels/hugepages.py), ring_mb in all;
+    one if `in_cache`."""
+    copies = 1 if in_cache else max(2, (ring_mb << 20) // (tensor.numel() * tensor.element_size()))
     return [huge_page_zeros(tuple(tensor.shape), tensor.dtype).copy_(tensor) for _ in range(copies)]
 
 
 def run(libs: dict[str, ctypes.CDLL], n: int, k: int, rows: list[int], rounds: int,
-        formats: list[str], in_cache: bool = False) -> list[dict]:
+        formats: list[str], in_cache: bool = False, ring_mb: int = RING_MB) -> list[dict]:
     """Per format and row count: each build's ms a call, the best of `rounds` rounds that visit the builds
     in turn (a noisy moment hits all of them), and torch's."""
     results = []
@@ -96,7 +99,7 @@ def run(libs: dict[str, ctypes.CDLL], n: int, k: int, rows: list[int], rounds: i
         blocks = quantize(torch.randn(n, k) * 0.1, fmt).contiguous()
         packed = torch.empty_like(blocks)
         next(iter(libs.values())).quant_pack(blocks.data_ptr(), qtype, n, k, packed.data_ptr(), 1)
-        weights, dense = ring(packed, in_cache), ring(torch.randn(n, k), in_cache)
+        weights, dense = ring(packed, in_cache, ring_mb), ring(torch.randn(n, k), in_cache, ring_mb)
         for m in rows:
             x, y = torch.randn(m, k), torch.empty(m, n)
             cell = {"format": fmt, "m": m, "ms": {name: float("inf") for name in libs}, "weight_bytes": packed.numel()}
@@ -136,6 +139,8 @@ def main() -> int:
                              "(gemm_quant_set_single_prefetch)")
     parser.add_argument("--wide-tiles", action="store_true",
                         help="every build in wide-tile mode (gemm_quant_set_wide_tiles), as the runner may set it")
+    parser.add_argument("--ring-mb", type=int, default=RING_MB,
+                        help="MB of weight copies a pass cycles through out of cache (figures before 2026-12-06: 96)")
     parser.add_argument("--in-cache", action="store_true",
                         help="one copy of the weights, not a ring past the last-level cache (a matrix that fits in L2)")
     parser.add_argument("--json", default="/tmp/quant_kernel.json")
@@ -154,7 +159,7 @@ def main() -> int:
                 lib.gemm_quant_set_single_prefetch(level)
             if args.wide_tiles and hasattr(lib, "gemm_quant_set_wide_tiles"):
                 lib.gemm_quant_set_wide_tiles(1)
-        results = run(libs, args.n, args.k, rows, args.rounds, args.formats.split(","), args.in_cache)
+        results = run(libs, args.n, args.k, rows, args.rounds, args.formats.split(","), args.in_cache, args.ring_mb)
     write_json(args.json, {"n": args.n, "k": args.k, "threads": 1, "rounds": args.rounds,
                            "single_stream": args.single_stream,
                            "single_prefetch": 0 if args.no_single_prefetch else 2 if args.single_prefetch_l2 else 1,

@@ -110,6 +110,19 @@ def test_llama_cpp_cells_re_measured_replace_theirs_and_keep_the_others() -> Non
     assert merged(cells, {"shape": "b", "format": "bf16", "v": 4})[-1]["shape"] == "b"
 
 
+def test_a_cells_decode_share_of_the_roofline_is_cobatchs_median_tpot_and_its_table_shows_it() -> None:
+    from benchmarks.llama_cpp import decode_of_roofline, markdown
+
+    runs = {"single": {"runs": [{"tok_s": 30.0, "tpot_ms_p50": 20.0}, {"tok_s": 28.0, "tpot_ms_p50": 30.0}],
+                       "tok_s": 29.0}, "batch": {"runs": [], "tok_s": 100.0}}
+    cell = {"shape": "a", "format": "q4_0", "roofline_tok_s": 50.0, "single_ratio": 1.5, "batch_ratio": 2.0,
+            "servers": {"cobatch": runs, "llama-server": {**runs, "single": {"runs": [], "tok_s": 20.0}}},
+            "cobatch_single_of_roofline": 0.58, "llama-server_single_of_roofline": 0.4}
+    assert decode_of_roofline(cell) == pytest.approx(0.8)  # 1 / 25 ms = 40 tok/s of 50
+    row = markdown([cell]).splitlines()[2].split("|")
+    assert [c.strip() for c in row[6:8]] == ["40% / 58%", "80%"]
+
+
 def test_a_batch_ceiling_counts_prompt_and_output_multiply_adds_at_the_formats_peak(tmp_path: Path) -> None:
     import gguf
     import numpy as np
