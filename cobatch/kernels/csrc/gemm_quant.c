@@ -996,9 +996,15 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
  * slower at one row (its hardware prefetcher alone streams faster), so it is a choice made at load too
  * (gemm_quant_set_single_prefetch; 0: the hardware prefetcher alone). Into L2 instead of L1 (2) it was
  * the fastest on that Zen 4 for the K-quants: one row of 16384 x 2048 out of cache, against none, Q5_K
- * 30.1 / 20.0 GB/s, Q6_K 28.0 / 25.5, Q4_K 26.8 / 26.4 (into L1: 18.2, 25.2, 26.4). */
+ * 30.1 / 20.0 GB/s, Q6_K 28.0 / 25.5, Q4_K 26.8 / 26.4 (into L1: 18.2, 25.2, 26.4; those figures with a 96 MB
+ * ring, partly in the L3). Into L2, it also brings the 32-block L1_NEAR ahead from L2 into L1, which the one-row
+ * tile otherwise waits for: one row of 11264 x 2048, a 512 MB ring (2026-12-06), Q5_K 1.16-1.21x (26.4-26.5
+ * GB/s, against 18.8 with the hardware prefetcher alone), Q4_K, IQ4_XS and Q3_K 1.03-1.06x, Q2_K even. */
 #ifndef SINGLE_PREFETCH_BYTES
 #define SINGLE_PREFETCH_BYTES 12288
+#endif
+#ifndef L1_NEAR
+#define L1_NEAR 4
 #endif
 static int single_prefetch[QUANT_NUM_TYPES] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 _Static_assert(QUANT_NUM_TYPES == 14, "single_prefetch starts at 1 for each format");
@@ -1027,6 +1033,10 @@ INLINE void prefetch_ahead(int qtype, const uint8_t *const *blk, int nz, int64_t
             if (distance < 0) _mm_prefetch(line, _MM_HINT_T1);
             else _mm_prefetch(line, _MM_HINT_T0);
         }
+    if (distance < 0)  /* and from L2 into L1 the 32-block L1_NEAR ahead (see SINGLE_PREFETCH_BYTES) */
+        for (int z = 0; z < nz; z++)
+            for (int64_t b = 0; b < step; b += 64)
+                _mm_prefetch((const char *)blk[z] + (within + L1_NEAR) * step + b, _MM_HINT_T0);
 }
 
 /* Where a micro-tile that reads its panels from L2 brings later weights into L2 meanwhile: `bytes_per_block`
