@@ -51,8 +51,9 @@
  *     Q4_K (2304 bytes): d[16] | dmin[16] fp16 | scales[3][16][4]: GGUF's 12 scale bytes of row l, 4 at a
  *                       time | qs[4][8][16][4]: GGUF's qs bytes 32 c + 4 g .. + 3 (low nibbles: K 64 c +
  *                       4 g + t, sub-block 2 c; high: 64 c + 32 + 4 g + t, sub-block 2 c + 1)
- *     Q5_K (2816 bytes): Q4_K's header | hb[8][16][4]: GGUF's qh bytes 4 g .. 4 g + 3 of row l (bit s of
- *                       byte t: the fifth bit of K 32 s + 4 g + t, sub-block s) | qs as Q4_K's (K_CODES)
+ *     Q5_K (2816 bytes): Q4_K's header | then per pair c of 32-blocks (0..3): hb0[16][4] | qs[8][16][4] as
+ *                       Q4_K's qs[c] | hb1[16][4] (hb_h: bit g of byte t of row l is the fifth bit of K
+ *                       32 (2 c + h) + 4 g + t, as Q5_0's; from GGUF's qh at packing, pack_q5_k)
  *     Q3_K (1760 bytes): d[16] fp16 | scales[3][16][4]: GGUF's 12 scale bytes of row l, 4 at a time | then
  *                       per 32-block c (0..7): low[2][16][4] (bits 2 (g % 4), + 1 of byte t of row l in
  *                       vector g / 4: the low bits of the code of K 32 c + 4 g + t) | hb[16][4] (bit g:
@@ -152,11 +153,17 @@ static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 
     X(tile_iq4_xs, QUANT_IQ4_XS) X(tile_iq4_nl, QUANT_IQ4_NL) X(tile_q3_k, QUANT_Q3_K) X(tile_q2_k, QUANT_Q2_K)    \
     X(tile_iq4_tab, QUANT_IQ4_TAB) X(tile_iq4_tab16, QUANT_IQ4_TAB16)
 #define QTILE_ENTRY(NAME, QT) [QT] = NAME,
-#define K5_HIGH 256  /* where a Q5_K panel block's fifth bits start (after the scales, before the codes) */
-/* Where a Q4_K / Q5_K panel block's 4-bit codes start: Q5_K's after its fifth bits, so that a 256-block is
- * read front to back (with the fifth bits last, as GGUF has them, its first 32-block read the block's end
- * before its middle, and one stream ran at about half its bytes' rate: the prefetchers lost it) */
-#define K_CODES(qtype) ((qtype) == QUANT_Q5_K ? K5_HIGH + 512 : 256)
+/* Where the 4-bit codes of 32-block j (and of its pair's other half) start in a Q4_K / Q5_K panel block.
+ * Q5_K's pair of 32-blocks keeps its first block's fifth bits (K5_HB) before the codes and its second's
+ * after them, so that each line is first read in address order: with the fifth bits last, as GGUF has
+ * them, a 256-block's first 32-block read the block's end before its middle, and one stream ran at about
+ * half its bytes' rate (the prefetchers lost it); with both before the codes, one row ran 0.92-0.97x. */
+#define K_PAIR(qtype) ((qtype) == QUANT_Q5_K ? 640 : 512)
+#define K_CODES(qtype, j) (256 + K_PAIR(qtype) * ((j) % 8 / 2) + ((qtype) == QUANT_Q5_K ? 64 : 0))
+/* Where Q5_K's fifth bits of 32-block j start: bit g of each byte for code vector g, so that the AVX-512
+ * tile moves it to bit 4 with a shift by a constant and one bit select, as Q5_0's (against GGUF's bit j of
+ * each byte, tested per code vector: 16 rows of Q5_K 1.08-1.11x, scripts/quant_builds_microbench.py) */
+#define K5_HB(j) (256 + 640 * ((j) % 8 / 2) + 576 * ((j) % 2))
 #define Q6_CODES 288 /* where a Q6_K panel block's codes start (after d and the scales) */
 #define Q6_BLOCK 384 /* a Q6_K panel's bytes of codes per 32-block: two halves of 3 vectors */
 
@@ -421,9 +428,9 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
         const int low = (blk[NIBBLES_AT(qtype) + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf;
         return IS_FIFTH_32(qtype) ? low | (((blk[FIFTH_AT(qtype) + 4 * lane + t] >> g) & 1) << 4) : low;
     }
-    const int c = (j % 8) / 2, low = (blk[K_CODES(qtype) + 512 * c + 64 * g + 4 * lane + t] >> (j % 2 ? 4 : 0)) & 0xf;
+    const int low = (blk[K_CODES(qtype, j) + 64 * g + 4 * lane + t] >> (j % 2 ? 4 : 0)) & 0xf;
     if (qtype == QUANT_Q4_K) return low;
-    return low | (((blk[K5_HIGH + 64 * g + 4 * lane + t] >> (j % 8)) & 1) << 4);  /* Q5_K */
+    return low | (((blk[K5_HB(j) + 4 * lane + t] >> g) & 1) << 4);  /* Q5_K */
 }
 
 /* Where 32-block j of a panel is read from: the start of its packed block (the K-quants' 256-block), or for
@@ -474,10 +481,10 @@ INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
                ((load_lanes(v + 128) >> 2) & 0x30303030u);
     }
     if (HAS_MINS(qtype)) {
-        const LaneWords v = load_lanes(blk + K_CODES(qtype) + 512 * ((j % 8) / 2) + 64 * g);
+        const LaneWords v = load_lanes(blk + K_CODES(qtype, j) + 64 * g);
         const LaneWords lo = (v >> (j % 2 ? 4 : 0)) & 0x0f0f0f0fu;
         if (qtype == QUANT_Q4_K) return lo;
-        return lo | (((load_lanes(blk + K5_HIGH + 64 * g) >> (j % 8)) & 0x01010101u) << 4);  /* Q5_K */
+        return lo | (((load_lanes(blk + K5_HB(j)) >> g) & 0x01010101u) << 4);  /* Q5_K */
     }
     const LaneWords v = load_lanes(blk + NIBBLES_AT(qtype) + 64 * (g % 4));
     const LaneWords lo = (v >> (g < 4 ? 0 : 4)) & 0x0f0f0f0fu;
@@ -622,11 +629,11 @@ INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
         return _mm256_or_si256(_mm256_or_si256(p0, p1), p2);
     }
     if (HAS_MINS(qtype)) {
-        const __m256i v = load256(blk + K_CODES(qtype) + 512 * ((j % 8) / 2) + 64 * g + 32 * h);
+        const __m256i v = load256(blk + K_CODES(qtype, j) + 64 * g + 32 * h);
         const __m256i lo = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
         if (qtype == QUANT_Q4_K) return lo;
-        /* Q5_K: bit j of each hb byte to bit 4, as Q5_0's */
-        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(blk + K5_HIGH + 64 * g + 32 * h), j),
+        /* Q5_K: bit g of each hb byte to bit 4, as Q5_0's */
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(blk + K5_HB(j) + 32 * h), g),
                                             _mm256_set1_epi8(1));
         return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
     }
@@ -846,7 +853,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 /* ---------------------------------------------------------------------------- the AVX-512 VNNI path */
 
 /* Codes vector g (K 32 j + 4 g ..) of 32-block j in the panel block at blk. */
-INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
+INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g, int one_sum) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return _mm512_loadu_si512(blk + 32 + 64 * g);
     if (IS_LOW2(qtype)) {
@@ -891,14 +898,19 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g) {
         const __m512i hi = g < 4 ? _mm512_slli_epi16(hb, 4 - g) : g > 4 ? _mm512_srli_epi16(hb, g - 4) : hb;
         return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x10), 0xF8);
     }
-    const __m512i v = _mm512_loadu_si512(blk + K_CODES(qtype) + 512 * ((j % 8) / 2) + 64 * g);
+    const __m512i v = _mm512_loadu_si512(blk + K_CODES(qtype, j) + 64 * g);
     const __m512i lo = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
     if (qtype == QUANT_Q4_K) return lo;
-    /* Q5_K: 16 more where bit j of the hb byte is set (j is not a literal here, as Q5_0's g is: a test
-     * against a mask, not a shift by j) */
-    const __mmask64 fifth = _mm512_test_epi8_mask(_mm512_loadu_si512(blk + K5_HIGH + 64 * g),
-                                                  _mm512_set1_epi8((char)(1 << j)));
-    return _mm512_mask_add_epi8(lo, fifth, lo, _mm512_set1_epi8(16));
+    /* Q5_K: 16 more where bit g of the hb byte is set. A tile of one integer sum (one row and one panel: a
+     * stream from memory) adds it under the mask of bit g (there 1.03-1.07x faster than the shift below);
+     * larger tiles move bit g to bit 4 and put it in as Q5_0's (g is a literal: shifts by constants), fewer
+     * ops per code vector */
+    const __m512i hb = _mm512_loadu_si512(blk + K5_HB(j));
+    if (one_sum)
+        return _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(hb, _mm512_set1_epi8((char)(1 << g))), lo,
+                                    _mm512_set1_epi8(16));
+    const __m512i hi = g < 4 ? _mm512_slli_epi16(hb, 4 - g) : g > 4 ? _mm512_srli_epi16(hb, g - 4) : hb;
+    return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x10), 0xF8);
 }
 
 /* Q4_K, Q5_K: a 256-block's 6-bit scales (sm[0]: sub-blocks 0..3, sm[1]: 4..7) or mins (mins = 1), per
@@ -1102,7 +1114,7 @@ INLINE void block_half(int qtype, const QuantRows *x, int64_t m0, int mr, const 
     for (int g = hf * span; g < (hf + 1) * span; g++) {
         __m512i c[NZ];
 #pragma GCC unroll 4
-        for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], jj, g);
+        for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], jj, g, mr * nz == 1);
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
             const __m512i xq = _mm512_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
@@ -1417,7 +1429,7 @@ static const Piece PIECES[QUANT_NUM_TYPES][5] = {
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {16, 256, 128, 4}},  /* Q4_K: d | dmin | scales | qs */
     {{0, 0, 2, 2}, {6, 96, 16, 4}},                                    /* Q5_0: d | qs (hb: below) */
     {{208, 0, 2, 2}, {192, 32, 16, 1}},                                /* Q6_K: d | scales (codes: below) */
-    {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}, {48, K_CODES(QUANT_Q5_K), 128, 4}, {16, K5_HIGH, 32, 4}},  /* Q5_K */
+    {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 12, 4}},                     /* Q5_K: Q4_K's header (hb, qs: below) */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 16, 4}},                     /* Q4_1: d | m | qs */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {8, 128, 16, 4}},                    /* Q5_1: d | m | qs (hb: below) */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 4, 4}},                      /* IQ4_XS: d | scales (qs: below) */
@@ -1461,6 +1473,18 @@ static void pack_high_bits(const uint8_t *qh_bytes, int lane, uint8_t *hb) {
     }
 }
 
+/* Q5_K's qh and qs of row lane (GGUF: d | dmin | scales[12] | qh[32] | qs[128]; K 32 s + i has its fifth bit
+ * at bit s of qh[i], its low 4 in qs as Q4_K's) -> each pair of 32-blocks' hb and qs (into a zeroed dst). */
+static void pack_q5_k(const uint8_t *src, int lane, uint8_t *dst) {
+    for (int c = 0; c < 4; c++)
+        for (int g = 0; g < 8; g++)
+            memcpy(dst + K_CODES(QUANT_Q5_K, 2 * c) + 64 * g + 4 * lane, src + 48 + 32 * c + 4 * g, 4);
+    for (int k = 0; k < 256; k++) {
+        const int s = k / 32, g = k % 32 / 4, t = k % 4;
+        dst[K5_HB(s) + 4 * lane + t] |= (uint8_t)(((src[16 + k % 32] >> s) & 1) << g);
+    }
+}
+
 /* Q6_K's 256 codes of row lane (GGUF: ql[128] | qh[64] | scales[16] | d; in each half n of 128 weights,
  * K 32 q + l (quarter q, l < 32) has the low 4 bits in nibble q / 2 of ql[64 n + 32 (q % 2) + l] and the
  * top 2 at bit 2 q of qh[32 n + l]) -> the packed vectors (into a zeroed dst). */
@@ -1485,7 +1509,8 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
     for (int64_t p = 0; p < N / NR; p++)
         for (int64_t j = 0; j < nb; j++) {
             uint8_t *dst = (uint8_t *)out + (p * nb + j) * PANEL_BYTES[qtype];
-            if (qtype == QUANT_Q6_K || IS_LOW2(qtype) || qtype == QUANT_IQ4_TAB16)  /* OR bits in; a gap */
+            /* the formats whose bits are ORed in (and IQ4_TAB16's gap) */
+            if (qtype == QUANT_Q6_K || qtype == QUANT_Q5_K || IS_LOW2(qtype) || qtype == QUANT_IQ4_TAB16)
                 memset(dst, 0, (size_t)PANEL_BYTES[qtype]);
             for (int l = 0; l < NR; l++) {
                 const uint8_t *src = (const uint8_t *)blocks + ((p * NR + l) * nb + j) * bb;
@@ -1497,6 +1522,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
                 if (IS_FIFTH_32(qtype))  /* qh after d (and m) */
                     pack_high_bits(src + (HAS_BLOCK_MIN(qtype) ? 4 : 2), l, dst + FIFTH_AT(qtype));
                 if (qtype == QUANT_Q6_K) pack_q6_k_codes(src, l, dst);
+                if (qtype == QUANT_Q5_K) pack_q5_k(src, l, dst);
                 if (IS_XS(qtype)) pack_iq4_xs_codes(src + 8, l, dst + IQ4_CODES);
                 if (qtype == QUANT_IQ4_TAB16) pack_iq4_xs_codes(src + 18, l, dst + TAB16_CODES);
                 if (IS_LOW2(qtype)) pack_low2_codes(qtype, src, l, dst);
