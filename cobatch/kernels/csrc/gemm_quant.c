@@ -1137,7 +1137,7 @@ INLINE void block_half(int qtype, const QuantRows *x, int64_t m0, int mr, const 
         for (int m = 0; m < mr; m++) {
             const __m512i scaled = IS_K_QUANT(qtype) ? _mm512_mullo_epi32(half[m * NZ + z], sc)
                                                      : half[m * NZ + z];
-            sum[m * NZ + z] = hf == 0 ? scaled : _mm512_add_epi32(sum[m * NZ + z], scaled);
+            sum[m * NZ + z] = hf == 0 && !IS_K_QUANT(qtype) ? scaled : _mm512_add_epi32(sum[m * NZ + z], scaled);
         }
     }
 }
@@ -1198,17 +1198,15 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
              * fourth is then known when compiled, Q3_K's and Q2_K's shifts are by constants (docs/BENCHMARKS.md,
              * Quantized weights: Q6_K 1.74x at one row from L3, Q3_K and Q2_K 1.1x at 16). But a Q6_K tile
              * of more than 2 rows x panels keeps the loop: unrolled, it ran 0.90-0.95x. */
-            __m512i sum[MR_WIDE * NZ];  /* the block's integer sum (K-quants: times its scales) */
+            __m512i sum[MR_WIDE * NZ];  /* the block's integer sum */
+            __m512i *into = IS_K_QUANT(qtype) ? ksum : sum;  /* K-quants: each half's, times its scale */
             if (qtype == QUANT_Q6_K && mr * nz > 2) {
-                for (int hf = 0; hf < halves; hf++) block_half(qtype, x, m0, mr, blk, nz, K, j, jj, hf, kscale, sum);
+                for (int hf = 0; hf < halves; hf++) block_half(qtype, x, m0, mr, blk, nz, K, j, jj, hf, kscale, into);
             } else {
-                block_half(qtype, x, m0, mr, blk, nz, K, j, jj, 0, kscale, sum);
-                if (halves == 2) block_half(qtype, x, m0, mr, blk, nz, K, j, jj, 1, kscale, sum);
+                block_half(qtype, x, m0, mr, blk, nz, K, j, jj, 0, kscale, into);
+                if (halves == 2) block_half(qtype, x, m0, mr, blk, nz, K, j, jj, 1, kscale, into);
             }
-            if (IS_K_QUANT(qtype)) {
-                for (int i = 0; i < mr * NZ; i++) ksum[i] = _mm512_add_epi32(ksum[i], sum[i]);
-                continue;
-            }
+            if (IS_K_QUANT(qtype)) continue;
             __m512 a[NZ], mn[NZ];  /* mn: Q4_1's, Q5_1's mins */
 #pragma GCC unroll 4
             for (int z = 0; z < nz; z++) {
