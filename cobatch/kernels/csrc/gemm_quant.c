@@ -1091,7 +1091,8 @@ INLINE void k_block_end(int qtype, const QuantRows *x, int64_t m0, int mr, const
 
 /* Half hf of 32-block j (the whole block where it has one integer sum) into sum: for rows m0 .. m0 + mr
  * against the panel blocks blk, the integer sums of its code vectors, the K-quants' times their sub-block's
- * scale (kscale, or Q6_K's in the block), added to sum's (hf 1) or put there (hf 0). */
+ * scale (kscale, or Q6_K's in the block), added to sum's (the K-quants' 256-block sums; else hf 1) or put
+ * there (hf 0). */
 INLINE void block_half(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *const *blk, int nz,
                        int64_t K, int64_t j, int jj, int hf, __m512i kscale[NZ][16], __m512i *sum) {
     const int64_t nb = K / QB;
