@@ -85,10 +85,11 @@
  * into L2 as they go (ahead_slice). Calls of one or two rows can instead take one panel per task, one stream
  * per thread (single-stream mode; the VNNI path prefetches it further ahead, or not), chosen per CPU and
  * format at load (gemm_quant_set_single_stream_for), and the VNNI path micro-tiles of 8 rows with the fp32
- * results in L1 (wide tiles), chosen per CPU (gemm_quant_set_wide_tiles). A task's panels decoded once into
- * a buffer for all its micro-tiles to load ran slower than decoding them in each (a Zen 4, 1 thread,
- * 2048 x 8192 at 16 rows: Q4_0 0.85x, Q4_K 0.67x, IQ4_XS and Q3_K even): twice the bytes from L2 a code
- * vector.
+ * results in L1 (wide tiles), chosen per CPU (gemm_quant_set_wide_tiles). A K-quant task of two full
+ * micro-tiles or more turns its loops around (decoded_tiles): each 256-block of its panels is decoded once
+ * into a 12 KB buffer in L1, then every micro-tile takes that 256-block from it, where each would otherwise
+ * decode it again. Decoding a task's whole panels at once ran slower (twice the bytes from L2 a code
+ * vector: a Zen 4, 2048 x 8192 at 16 rows, Q4_0 0.85x, Q4_K 0.67x).
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
  * row's result does not depend on M, the tiling or the thread count. Q6_K's two half sums are multiplied by
@@ -1051,11 +1052,11 @@ INLINE void prefetch_ahead(int qtype, const uint8_t *const *blk, int nz, int64_t
                 _mm_prefetch((const char *)blk[z] + (within + L1_NEAR) * step + b, _MM_HINT_T0);
 }
 
-/* Where a micro-tile that reads its panels from L2 brings later weights into L2 meanwhile: `bytes_per_block`
- * bytes from `at` in each of its 32-blocks (NULL: none). */
+/* Where a micro-tile that reads its panels from L2 brings later weights into L2 meanwhile: at its 32-block j,
+ * `bytes` bytes from at + j stride (at NULL: none). */
 typedef struct {
     const uint8_t *at;
-    int64_t bytes_per_block;
+    int64_t stride, bytes;
 } Ahead;
 
 /* The K-quants at the end of a 256-block (its last 32-block j): y += dx (d ksum - dmin sum(min_i bs_i)),
@@ -1089,12 +1090,22 @@ INLINE void k_block_end(int qtype, const QuantRows *x, int64_t m0, int mr, const
     }
 }
 
+/* Decoded K-quant tiles: a task of at least DECODE_MIN_TILES full micro-tiles decodes each 256-block of its
+ * panels once (decode_k_block: every code vector, nz x 4 KB, in L1) for all of them to load, 256-block by
+ * 256-block, instead of each micro-tile decoding them again from the packed panels. */
+#ifndef DECODE_MIN_TILES
+#define DECODE_MIN_TILES 2
+#endif
+#define DECODED_BYTES (KB / QB * 8 * 64)  /* a panel's 256-block decoded: 8 32-blocks x 8 code vectors */
+#define DECODED_AT(z, jj, g) (((int64_t)(z) * (KB / QB) + (jj)) * 512 + 64 * (g))
+
 /* Half hf of 32-block j (the whole block where it has one integer sum) into sum: for rows m0 .. m0 + mr
  * against the panel blocks blk, the integer sums of its code vectors, the K-quants' times their sub-block's
  * scale (kscale, or Q6_K's in the block), added to sum's (the K-quants' 256-block sums; else hf 1) or put
  * there (hf 0). */
 INLINE void block_half(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *const *blk, int nz,
-                       int64_t K, int64_t j, int jj, int hf, __m512i kscale[NZ][16], __m512i *sum) {
+                       int64_t K, int64_t j, int jj, int hf, __m512i kscale[NZ][16], __m512i *sum,
+                       int decoded, const uint8_t *dec) {
     const int64_t nb = K / QB;
     const float off = code_offset(qtype);
     const int halves = sums_per_block(qtype), span = 8 / halves;  /* span: code vectors per integer sum */
@@ -1115,7 +1126,8 @@ INLINE void block_half(int qtype, const QuantRows *x, int64_t m0, int mr, const 
     for (int g = hf * span; g < (hf + 1) * span; g++) {
         __m512i c[NZ];
 #pragma GCC unroll 4
-        for (int z = 0; z < nz; z++) c[z] = codes(qtype, blk[z], jj, g, mr * nz == 1);
+        for (int z = 0; z < nz; z++)
+            c[z] = decoded ? _mm512_load_si512(dec + DECODED_AT(z, jj, g)) : codes(qtype, blk[z], jj, g, mr * nz == 1);
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
             const __m512i xq = _mm512_set1_epi32(load_i32(x->q + (m0 + m) * K + j * QB + 4 * g));
@@ -1148,6 +1160,69 @@ INLINE void block_half(int qtype, const QuantRows *x, int64_t m0, int mr, const 
  * rows the fp32 results stay in registers; a wide tile (up to MR_WIDE rows) keeps them in y's rows (L1)
  * and its registers for the MR_WIDE NZ integer sums: the same arithmetic, in the same order. The
  * K-quants keep them in y's rows too, and their registers for a 256-block's integer sums (ksum). */
+/* The prefetches of a micro-tile at 32-block j of its panels blk (tile's stream and ahead). */
+INLINE void tile_prefetch(int qtype, const uint8_t *const *blk, int nz, int64_t j, int stream, Ahead ahead) {
+    if (stream) prefetch_ahead(qtype, blk, nz, j, stream);
+    else if (ahead.at != NULL)
+        for (int64_t b = 0; b < ahead.bytes; b += 64)
+            _mm_prefetch((const char *)ahead.at + j * ahead.stride + b, _MM_HINT_T2);
+}
+
+/* A K-quant's 256-block from 32-block j0 into y[0..mr, 0..16 nz) (out's rows, fp32): its integer sums kept in
+ * registers through it (ksum), the epilogue's pressure outside. Codes from `dec` (decode_k_block's, this
+ * 256-block's) where `decoded` (a literal in each copy), else from the panels. */
+INLINE void k_block(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
+                    int nz, int64_t j0, float *out, int64_t ldo, int stream, Ahead ahead, int decoded,
+                    const uint8_t *dec) {
+    __m512i ksum[MR_WIDE * NZ];  /* the 256-block's integer sums so far, each times its scale */
+    /* Q4_K, Q5_K, IQ4_XS, Q3_K, Q2_K: the 256-block's scales, a vector per sub-block, in memory (indexed at run
+     * time): in registers beside ksum they would spill a 4 x 3 tile's sums */
+    __m512i kscale[NZ][16];  /* Q3_K, Q2_K: 16, one per 16-weight sub-block */
+    for (int i = 0; i < mr * NZ; i++) ksum[i] = _mm512_setzero_si512();
+    const uint8_t *blk0[NZ];  /* the panels' 256-blocks */
+#pragma GCC unroll 4
+    for (int z = 0; z < nz; z++) blk0[z] = panel_block(qtype, w, K, p0 + z, j0);
+    if (HAS_MINS(qtype))
+#pragma GCC unroll 4
+        for (int z = 0; z < nz; z++) {
+            __m512i sm[2];
+            k4_unpack(blk0[z], 0, sm);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) kscale[z][i] = k4_scale(sm, i);
+        }
+#pragma GCC unroll 4
+    for (int z = 0; z < nz; z++) {
+        if (IS_XS(qtype)) iq4_unpack(blk0[z], kscale[z]);
+        if (qtype == QUANT_Q3_K) q3_unpack(blk0[z], kscale[z]);
+        if (qtype == QUANT_Q2_K) q2_unpack(blk0[z], kscale[z]);
+    }
+    const int halves = sums_per_block(qtype);
+    for (int jj = 0; jj < KB / QB; jj++) {
+        const int64_t j = j0 + jj;
+        const uint8_t *blk[NZ];
+#pragma GCC unroll 4
+        for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j);
+        tile_prefetch(qtype, blk, nz, j, decoded ? 0 : stream, ahead);
+        /* Each half its own call, so that g is a literal in codes(): which of Q6_K's code vectors is the
+         * fourth is then known when compiled, Q3_K's and Q2_K's shifts are by constants (docs/BENCHMARKS.md,
+         * Quantized weights: Q6_K 1.74x at one row from L3, Q3_K and Q2_K 1.1x at 16). But a Q6_K tile
+         * of more than 2 rows x panels keeps the loop: unrolled, it ran 0.90-0.95x. */
+        if (qtype == QUANT_Q6_K && mr * nz > 2 && !decoded) {
+            for (int hf = 0; hf < halves; hf++)
+                block_half(qtype, x, m0, mr, blk, nz, K, j, jj, hf, kscale, ksum, decoded, dec);
+        } else {
+            block_half(qtype, x, m0, mr, blk, nz, K, j, jj, 0, kscale, ksum, decoded, dec);
+            if (halves == 2) block_half(qtype, x, m0, mr, blk, nz, K, j, jj, 1, kscale, ksum, decoded, dec);
+        }
+    }
+    k_block_end(qtype, x, m0, mr, blk0, nz, j0 + KB / QB - 1, ksum, out, ldo);
+}
+
+/* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream` > 0:
+ * prefetch the panels that many 32-blocks ahead (prefetch_ahead); else `ahead`'s bytes into L2. Up to MR
+ * rows the fp32 results stay in registers; a wide tile (up to MR_WIDE rows) keeps them in y's rows (L1)
+ * and its registers for the MR_WIDE NZ integer sums: the same arithmetic, in the same order. The
+ * K-quants keep them in y's rows too (k_block). */
 INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
                  int nz, float *out, int64_t ldo, int stream, Ahead ahead) {
     const int wide = mr > MR, in_l1 = wide || IS_K_QUANT(qtype);  /* literals in each copy */
@@ -1158,89 +1233,59 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             else acc[m * NZ + z] = _mm512_setzero_ps();
         }
     const int64_t nb = K / QB;
+    if (IS_K_QUANT(qtype)) {
+        for (int64_t j0 = 0; j0 < nb; j0 += KB / QB)
+            k_block(qtype, x, m0, mr, w, K, p0, nz, j0, out, ldo, stream, ahead, 0, NULL);
+        return;
+    }
     const int halves = sums_per_block(qtype);
-    /* 32-blocks per integer accumulation: a K-quant's 256-block (its own loop, so that its integer sums
-     * keep their registers through it, the epilogue's pressure outside) */
-    const int per = IS_K_QUANT(qtype) ? KB / QB : 1;
-    for (int64_t j0 = 0; j0 < nb; j0 += per) {
-        __m512i ksum[MR_WIDE * NZ];  /* K-quants: the 256-block's integer sums so far, each times its scale */
-        /* Q4_K, Q5_K, IQ4_XS, Q3_K, Q2_K: the 256-block's scales, a vector per sub-block, in memory (indexed at run
-         * time): in registers beside ksum they would spill a 4 x 3 tile's sums */
-        __m512i kscale[NZ][16];  /* Q3_K, Q2_K: 16, one per 16-weight sub-block */
-        if (IS_K_QUANT(qtype))
-            for (int i = 0; i < mr * NZ; i++) ksum[i] = _mm512_setzero_si512();
-        if (HAS_MINS(qtype))
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *blk[NZ];
 #pragma GCC unroll 4
-            for (int z = 0; z < nz; z++) {
-                __m512i sm[2];
-                k4_unpack(panel_block(qtype, w, K, p0 + z, j0), 0, sm);
-#pragma GCC unroll 8
-                for (int i = 0; i < 8; i++) kscale[z][i] = k4_scale(sm, i);
-            }
-        if (IS_XS(qtype))
+        for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j);
+        tile_prefetch(qtype, blk, nz, j, stream, ahead);
+        __m512i sum[MR_WIDE * NZ];  /* the block's integer sum */
+        block_half(qtype, x, m0, mr, blk, nz, K, j, 0, 0, NULL, sum, 0, NULL);
+        if (halves == 2) block_half(qtype, x, m0, mr, blk, nz, K, j, 0, 1, NULL, sum, 0, NULL);
+        __m512 a[NZ], mn[NZ];  /* mn: Q4_1's, Q5_1's mins */
 #pragma GCC unroll 4
-            for (int z = 0; z < nz; z++) iq4_unpack(panel_block(qtype, w, K, p0 + z, j0), kscale[z]);
-        if (qtype == QUANT_Q3_K)
-#pragma GCC unroll 4
-            for (int z = 0; z < nz; z++) q3_unpack(panel_block(qtype, w, K, p0 + z, j0), kscale[z]);
-        if (qtype == QUANT_Q2_K)
-#pragma GCC unroll 4
-            for (int z = 0; z < nz; z++) q2_unpack(panel_block(qtype, w, K, p0 + z, j0), kscale[z]);
-        for (int64_t j = j0; j < j0 + per; j++) {
-            const int jj = (int)(j - j0);  /* a K-quant's sub-block */
-            const uint8_t *blk[NZ];
-#pragma GCC unroll 4
-            for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j);
-            if (stream) prefetch_ahead(qtype, blk, nz, j, stream);
-            else if (ahead.at != NULL)
-                for (int64_t b = 0; b < ahead.bytes_per_block; b += 64)
-                    _mm_prefetch((const char *)ahead.at + j * ahead.bytes_per_block + b, _MM_HINT_T2);
-            /* Each half its own call, so that g is a literal in codes(): which of Q6_K's code vectors is the
-             * fourth is then known when compiled, Q3_K's and Q2_K's shifts are by constants (docs/BENCHMARKS.md,
-             * Quantized weights: Q6_K 1.74x at one row from L3, Q3_K and Q2_K 1.1x at 16). But a Q6_K tile
-             * of more than 2 rows x panels keeps the loop: unrolled, it ran 0.90-0.95x. */
-            __m512i sum[MR_WIDE * NZ];  /* the block's integer sum */
-            __m512i *into = IS_K_QUANT(qtype) ? ksum : sum;  /* K-quants: each half's, times its scale */
-            if (qtype == QUANT_Q6_K && mr * nz > 2) {
-                for (int hf = 0; hf < halves; hf++) block_half(qtype, x, m0, mr, blk, nz, K, j, jj, hf, kscale, into);
-            } else {
-                block_half(qtype, x, m0, mr, blk, nz, K, j, jj, 0, kscale, into);
-                if (halves == 2) block_half(qtype, x, m0, mr, blk, nz, K, j, jj, 1, kscale, into);
-            }
-            if (IS_K_QUANT(qtype)) continue;
-            __m512 a[NZ], mn[NZ];  /* mn: Q4_1's, Q5_1's mins */
-#pragma GCC unroll 4
-            for (int z = 0; z < nz; z++) {
-                a[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z]));
-                if (HAS_BLOCK_MIN(qtype)) mn[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[z] + 32)));
-            }
-#pragma GCC unroll 8
-            for (int m = 0; m < mr; m++) {
-                const float dx1 = x->d[X_SCALE_AT(qtype, x, m0 + m, j)];
-                const __m512 dx = _mm512_set1_ps(dx1);
-                const __m512 mdx = _mm512_set1_ps(HAS_BLOCK_MIN(qtype) ? dx1 * (float)x->s[(m0 + m) * nb + j] : 0.0f);
-#pragma GCC unroll 4
-                for (int z = 0; z < nz; z++) {
-                    const __m512 s = _mm512_cvtepi32_ps(sum[m * NZ + z]);
-                    __m512 y = wide ? _mm512_loadu_ps(out + m * ldo + z * NR) : acc[m * NZ + z];
-                    y = _mm512_fmadd_ps(s, _mm512_mul_ps(a[z], dx), y);
-                    if (HAS_BLOCK_MIN(qtype)) y = _mm512_fmadd_ps(mn[z], mdx, y);
-                    if (wide) _mm512_storeu_ps(out + m * ldo + z * NR, y);
-                    else acc[m * NZ + z] = y;
-                }
-            }
+        for (int z = 0; z < nz; z++) {
+            a[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[z]));
+            if (HAS_BLOCK_MIN(qtype)) mn[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[z] + 32)));
         }
-        if (IS_K_QUANT(qtype)) {
-            const uint8_t *blk[NZ];
+#pragma GCC unroll 8
+        for (int m = 0; m < mr; m++) {
+            const float dx1 = x->d[X_SCALE_AT(qtype, x, m0 + m, j)];
+            const __m512 dx = _mm512_set1_ps(dx1);
+            const __m512 mdx = _mm512_set1_ps(HAS_BLOCK_MIN(qtype) ? dx1 * (float)x->s[(m0 + m) * nb + j] : 0.0f);
 #pragma GCC unroll 4
-            for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j0);
-            k_block_end(qtype, x, m0, mr, blk, nz, j0 + per - 1, ksum, out, ldo);
+            for (int z = 0; z < nz; z++) {
+                const __m512 s = _mm512_cvtepi32_ps(sum[m * NZ + z]);
+                __m512 y = wide ? _mm512_loadu_ps(out + m * ldo + z * NR) : acc[m * NZ + z];
+                y = _mm512_fmadd_ps(s, _mm512_mul_ps(a[z], dx), y);
+                if (HAS_BLOCK_MIN(qtype)) y = _mm512_fmadd_ps(mn[z], mdx, y);
+                if (wide) _mm512_storeu_ps(out + m * ldo + z * NR, y);
+                else acc[m * NZ + z] = y;
+            }
         }
     }
     for (int m = 0; m < mr && !in_l1; m++)
         for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + m * ldo + z * NR, acc[m * NZ + z]);
 }
 
+/* The code vectors of the 256-block at 32-block j0 of panels p0 .. p0 + nz into dec (DECODED_AT), the panels
+ * prefetched `stream` 32-blocks ahead and `ahead`'s slice of the next task's panels into L2. */
+INLINE void decode_k_block(int qtype, const uint8_t *w, int64_t K, int64_t p0, int nz, int64_t j0, uint8_t *dec,
+                           int stream, Ahead ahead) {
+    for (int jj = 0; jj < KB / QB; jj++) {
+        const uint8_t *blk[NZ];
+        for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j0 + jj);
+        tile_prefetch(qtype, blk, nz, j0 + jj, stream, ahead);
+        for (int z = 0; z < nz; z++)
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) _mm512_store_si512(dec + DECODED_AT(z, jj, g), codes(qtype, blk[z], jj, g, 0));
+    }
+}
 /* Each (format, mr, nz) its own unrolled copy: the tile sizes must be literals for the registers. */
 #define QCASE(R, Z) case (R) * 4 + (Z): tile(qtype, x, m0, R, w, K, p0, Z, out, ldo, stream, ahead); break;
 #define QCASES(R) QCASE(R, 1) QCASE(R, 2) QCASE(R, 3)
@@ -1258,6 +1303,30 @@ QUANT_FORMATS(QTILE_FN)
 /* Each format's tile, by qtype. */
 static void (*const TILES[])(const QuantRows *, int64_t, int, const uint8_t *, int64_t, int64_t, int, float *,
                              int64_t, int, Ahead) = {QUANT_FORMATS(QTILE_ENTRY)};
+
+/* A K-quant's full micro-tile (MR rows) over one 256-block, codes from dec: a copy per format and nz. */
+#define KCASE(Z) case Z: k_block(qtype, x, m0, MR, w, K, p0, Z, j0, out, ldo, 0, ahead, 1, dec); break;
+#define DECODED_FN(NAME, QT)                                                                                 \
+    static void NAME##_decoded(const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p0, int nz, \
+                               int64_t j0, float *out, int64_t ldo, Ahead ahead, const uint8_t *dec) {       \
+        const int qtype = QT;                                                                                \
+        if (IS_K_QUANT(qtype)) switch (nz) { KCASE(1) KCASE(2) KCASE(3) default: break; }                    \
+    }
+QUANT_FORMATS(DECODED_FN)
+#define DECODED_ENTRY(NAME, QT) [QT] = NAME##_decoded,
+static void (*const DECODED_TILES[])(const QuantRows *, int64_t, const uint8_t *, int64_t, int64_t, int, int64_t,
+                                     float *, int64_t, Ahead, const uint8_t *) = {QUANT_FORMATS(DECODED_ENTRY)};
+
+/* Each format's decode_k_block, by qtype (a copy per format: g a literal in codes()). */
+#define DECODE_FN(NAME, QT)                                                                                  \
+    static void NAME##_decode(const uint8_t *w, int64_t K, int64_t p0, int nz, int64_t j0, uint8_t *dec,     \
+                              int stream, Ahead ahead) {                                                     \
+        if (IS_K_QUANT(QT)) decode_k_block(QT, w, K, p0, nz, j0, dec, stream, ahead);                        \
+    }
+QUANT_FORMATS(DECODE_FN)
+#define DECODE_ENTRY(NAME, QT) [QT] = NAME##_decode,
+static void (*const DECODERS[])(const uint8_t *, int64_t, int64_t, int, int64_t, uint8_t *, int, Ahead) = {
+    QUANT_FORMATS(DECODE_ENTRY)};
 
 /* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but the K-quants: Q4_K, Q5_K and IQ4_XS,
  * whose larger epilogue gains nothing from it (IQ4_XS spilled: 1.55x slower at 16 rows), and Q6_K and Q3_K,
@@ -1283,13 +1352,37 @@ static inline int tile_height(int qtype) {
  * M = 128 unchanged. */
 static Ahead ahead_slice(const uint8_t *next, int64_t next_bytes, int64_t rows, int height, int64_t i,
                          int64_t K) {
-    const Ahead none = {NULL, 0};
+    const Ahead none = {NULL, 0, 0};
     const int64_t num_tiles = (rows + height - 1) / height;
     if (next == NULL || rows < 2 * height || i == 0) return none;
     const int64_t slice = (next_bytes + num_tiles - 2) / (num_tiles - 1);
     if ((i - 1) * slice >= next_bytes) return none;
-    const Ahead ahead = {next + (i - 1) * slice, (slice / (K / QB) + 63) / 64 * 64};
+    const int64_t bytes = (slice / (K / QB) + 63) / 64 * 64;
+    const Ahead ahead = {next + (i - 1) * slice, bytes, bytes};
     return ahead;
+}
+
+/* Full micro-tiles 0 .. num_tiles (MR rows each) from row m0 against panels p0 .. p0 + nz, decoded 256-block by
+ * 256-block into this thread's buffer; `next` (next_bytes), or NULL: the next task's panels, brought into L2
+ * while they compute. */
+static void decoded_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t num_tiles, const uint8_t *w,
+                          int64_t K, int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next,
+                          int64_t next_bytes, int prefetch) {
+    static _Thread_local uint8_t dec[NZ * DECODED_BYTES] __attribute__((aligned(64)));
+    const int64_t nb = K / QB;
+    /* the next task's panels, a slice for each micro-tile at each 32-block, spread over their compute */
+    const int64_t slice = next == NULL || !prefetch ? 0 : (next_bytes / (nb * num_tiles) + 63) / 64 * 64;
+    const Ahead none = {NULL, 0, 0};
+    for (int64_t i = 0; i < num_tiles; i++)
+        for (int m = 0; m < MR; m++)
+            for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + (i * MR + m) * ldo + z * NR, _mm512_setzero_ps());
+    for (int64_t j0 = 0; j0 < nb; j0 += KB / QB) {
+        DECODERS[qtype](w, K, p0, nz, j0, dec, prefetch, none);
+        for (int64_t i = 0; i < num_tiles; i++) {
+            const Ahead ahead = {slice ? next + i * slice : NULL, num_tiles * slice, slice};
+            DECODED_TILES[qtype](x, m0 + i * MR, w, K, p0, nz, j0, out + i * MR * ldo, ldo, ahead, dec);
+        }
+    }
 }
 
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz; `next`: the next task's panels (next_bytes), or NULL. */
@@ -1297,12 +1390,16 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
                       int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
                       int prefetch) {
     const int height = tile_height(qtype);
-    const int64_t num_tiles = (rows + height - 1) / height;
-    for (int64_t i = 0; i < num_tiles; i++) {
+    int64_t num_tiles = (rows + height - 1) / height, i = 0;
+    if (IS_K_QUANT(qtype) && rows / MR >= DECODE_MIN_TILES) {  /* the full micro-tiles, decoded (then the rest) */
+        i = rows / MR;
+        decoded_tiles(qtype, x, m0, i, w, K, p0, nz, out, ldo, next, next_bytes, prefetch);
+    }
+    for (; i < num_tiles; i++) {
         const int64_t m = i * height;
         const int mr = (int)(rows - m < height ? rows - m : height);
         const int stream = i == 0 ? prefetch : 0;  /* the task's first micro-tile reads its panels from memory */
-        const Ahead ahead = prefetch ? ahead_slice(next, next_bytes, rows, height, i, K) : (Ahead){NULL, 0};
+        const Ahead ahead = prefetch ? ahead_slice(next, next_bytes, rows, height, i, K) : (Ahead){NULL, 0, 0};
         float *o = out + m * ldo;
         TILES[qtype](x, m0 + m, mr, w, K, p0, nz, o, ldo, stream, ahead);
     }
