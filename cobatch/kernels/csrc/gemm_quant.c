@@ -1090,14 +1090,16 @@ INLINE void k_block_end(int qtype, const QuantRows *x, int64_t m0, int mr, const
     }
 }
 
-/* Decoded K-quant tiles: a task of at least DECODE_MIN_TILES full micro-tiles decodes each 256-block of its
- * panels once (decode_k_block: every code vector, nz x 4 KB, in L1) for all of them to load, 256-block by
- * 256-block, instead of each micro-tile decoding them again from the packed panels. */
+/* Decoded tiles: a task of at least DECODE_MIN_TILES full micro-tiles decodes its panels once, DECODED_BLOCKS
+ * 32-blocks at a time (decode_blocks: every code vector, nz x 4 KB, in L1), for all of them to load, instead of
+ * each micro-tile decoding them again from the packed panels. */
 #ifndef DECODE_MIN_TILES
 #define DECODE_MIN_TILES 2
 #endif
-#define DECODED_BYTES (KB / QB * 8 * 64)  /* a panel's 256-block decoded: 8 32-blocks x 8 code vectors */
-#define DECODED_AT(z, jj, g) (((int64_t)(z) * (KB / QB) + (jj)) * 512 + 64 * (g))
+#define DECODED_BLOCKS (KB / QB)  /* 32-blocks decoded at a time: a K-quant's 256-block */
+#define DECODED_BYTES (DECODED_BLOCKS * 8 * 64)  /* a panel's DECODED_BLOCKS decoded, 8 code vectors each */
+#define DECODED_AT(z, jj, g) (((int64_t)(z) * DECODED_BLOCKS + (jj)) * 512 + 64 * (g))
+#define DECODES(qtype) ((qtype) != QUANT_Q8_0)  /* Q8_0's codes are loaded as they are */
 
 /* Half hf of 32-block j (the whole block where it has one integer sum) into sum: for rows m0 .. m0 + mr
  * against the panel blocks blk, the integer sums of its code vectors, the K-quants' times their sub-block's
@@ -1155,11 +1157,6 @@ INLINE void block_half(int qtype, const QuantRows *x, int64_t m0, int mr, const 
     }
 }
 
-/* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream` > 0:
- * prefetch the panels that many 32-blocks ahead (prefetch_ahead); else `ahead`'s bytes into L2. Up to MR
- * rows the fp32 results stay in registers; a wide tile (up to MR_WIDE rows) keeps them in y's rows (L1)
- * and its registers for the MR_WIDE NZ integer sums: the same arithmetic, in the same order. The
- * K-quants keep them in y's rows too, and their registers for a 256-block's integer sums (ksum). */
 /* The prefetches of a micro-tile at 32-block j of its panels blk (tile's stream and ahead). */
 INLINE void tile_prefetch(int qtype, const uint8_t *const *blk, int nz, int64_t j, int stream, Ahead ahead) {
     if (stream) prefetch_ahead(qtype, blk, nz, j, stream);
@@ -1218,35 +1215,22 @@ INLINE void k_block(int qtype, const QuantRows *x, int64_t m0, int mr, const uin
     k_block_end(qtype, x, m0, mr, blk0, nz, j0 + KB / QB - 1, ksum, out, ldo);
 }
 
-/* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream` > 0:
- * prefetch the panels that many 32-blocks ahead (prefetch_ahead); else `ahead`'s bytes into L2. Up to MR
- * rows the fp32 results stay in registers; a wide tile (up to MR_WIDE rows) keeps them in y's rows (L1)
- * and its registers for the MR_WIDE NZ integer sums: the same arithmetic, in the same order. The
- * K-quants keep them in y's rows too (k_block). */
-INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
-                 int nz, float *out, int64_t ldo, int stream, Ahead ahead) {
-    const int wide = mr > MR, in_l1 = wide || IS_K_QUANT(qtype);  /* literals in each copy */
-    __m512 acc[MR * NZ];
-    for (int m = 0; m < mr; m++)
-        for (int z = 0; z < nz; z++) {
-            if (in_l1) _mm512_storeu_ps(out + m * ldo + z * NR, _mm512_setzero_ps());
-            else acc[m * NZ + z] = _mm512_setzero_ps();
-        }
+/* The formats of one scale a 32-block: their 32-blocks j0 .. j1 into acc (a wide tile's: out's rows), in K
+ * order. Codes from `dec` (decode_blocks', from 32-block j0) where `decoded` (a literal in each copy). */
+INLINE void q_blocks(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
+                     int nz, int64_t j0, int64_t j1, __m512 *acc, float *out, int64_t ldo, int stream, Ahead ahead,
+                     int decoded, const uint8_t *dec) {
     const int64_t nb = K / QB;
-    if (IS_K_QUANT(qtype)) {
-        for (int64_t j0 = 0; j0 < nb; j0 += KB / QB)
-            k_block(qtype, x, m0, mr, w, K, p0, nz, j0, out, ldo, stream, ahead, 0, NULL);
-        return;
-    }
-    const int halves = sums_per_block(qtype);
-    for (int64_t j = 0; j < nb; j++) {
+    const int wide = mr > MR, halves = sums_per_block(qtype);
+    for (int64_t j = j0; j < j1; j++) {
         const uint8_t *blk[NZ];
 #pragma GCC unroll 4
         for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j);
-        tile_prefetch(qtype, blk, nz, j, stream, ahead);
+        tile_prefetch(qtype, blk, nz, j, decoded ? 0 : stream, ahead);
+        const int jj = decoded ? (int)(j - j0) : 0;  /* where dec holds the block */
         __m512i sum[MR_WIDE * NZ];  /* the block's integer sum */
-        block_half(qtype, x, m0, mr, blk, nz, K, j, 0, 0, NULL, sum, 0, NULL);
-        if (halves == 2) block_half(qtype, x, m0, mr, blk, nz, K, j, 0, 1, NULL, sum, 0, NULL);
+        block_half(qtype, x, m0, mr, blk, nz, K, j, jj, 0, NULL, sum, decoded, dec);
+        if (halves == 2) block_half(qtype, x, m0, mr, blk, nz, K, j, jj, 1, NULL, sum, decoded, dec);
         __m512 a[NZ], mn[NZ];  /* mn: Q4_1's, Q5_1's mins */
 #pragma GCC unroll 4
         for (int z = 0; z < nz; z++) {
@@ -1269,18 +1253,42 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
             }
         }
     }
+}
+
+/* y[0..mr, 0..16 nz) (fp32, ldo apart) = rows m0.. of x against panels p0 .. p0 + nz; `stream` > 0:
+ * prefetch the panels that many 32-blocks ahead (prefetch_ahead); else `ahead`'s bytes into L2. Up to MR
+ * rows the fp32 results stay in registers; a wide tile (up to MR_WIDE rows) keeps them in y's rows (L1)
+ * and its registers for the MR_WIDE NZ integer sums: the same arithmetic, in the same order. The
+ * K-quants keep them in y's rows too (k_block). */
+INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
+                 int nz, float *out, int64_t ldo, int stream, Ahead ahead) {
+    const int wide = mr > MR, in_l1 = wide || IS_K_QUANT(qtype);  /* literals in each copy */
+    __m512 acc[MR * NZ];
+    for (int m = 0; m < mr; m++)
+        for (int z = 0; z < nz; z++) {
+            if (in_l1) _mm512_storeu_ps(out + m * ldo + z * NR, _mm512_setzero_ps());
+            else acc[m * NZ + z] = _mm512_setzero_ps();
+        }
+    const int64_t nb = K / QB;
+    if (IS_K_QUANT(qtype)) {
+        for (int64_t j0 = 0; j0 < nb; j0 += KB / QB)
+            k_block(qtype, x, m0, mr, w, K, p0, nz, j0, out, ldo, stream, ahead, 0, NULL);
+        return;
+    }
+    q_blocks(qtype, x, m0, mr, w, K, p0, nz, 0, nb, acc, out, ldo, stream, ahead, 0, NULL);
     for (int m = 0; m < mr && !in_l1; m++)
         for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + m * ldo + z * NR, acc[m * NZ + z]);
 }
 
-/* The code vectors of the 256-block at 32-block j0 of panels p0 .. p0 + nz into dec (DECODED_AT), the panels
- * prefetched `stream` 32-blocks ahead and `ahead`'s slice of the next task's panels into L2. */
-INLINE void decode_k_block(int qtype, const uint8_t *w, int64_t K, int64_t p0, int nz, int64_t j0, uint8_t *dec,
-                           int stream, Ahead ahead) {
-    for (int jj = 0; jj < KB / QB; jj++) {
+/* The code vectors of 32-blocks j0 .. j0 + count of panels p0 .. p0 + nz into dec (DECODED_AT), the panels
+ * prefetched `stream` 32-blocks ahead. */
+INLINE void decode_blocks(int qtype, const uint8_t *w, int64_t K, int64_t p0, int nz, int64_t j0, int count,
+                          uint8_t *dec, int stream) {
+    const Ahead none = {NULL, 0, 0};
+    for (int jj = 0; jj < count; jj++) {
         const uint8_t *blk[NZ];
         for (int z = 0; z < nz; z++) blk[z] = panel_block(qtype, w, K, p0 + z, j0 + jj);
-        tile_prefetch(qtype, blk, nz, j0 + jj, stream, ahead);
+        tile_prefetch(qtype, blk, nz, j0 + jj, stream, none);
         for (int z = 0; z < nz; z++)
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) _mm512_store_si512(dec + DECODED_AT(z, jj, g), codes(qtype, blk[z], jj, g, 0));
@@ -1304,28 +1312,44 @@ QUANT_FORMATS(QTILE_FN)
 static void (*const TILES[])(const QuantRows *, int64_t, int, const uint8_t *, int64_t, int64_t, int, float *,
                              int64_t, int, Ahead) = {QUANT_FORMATS(QTILE_ENTRY)};
 
-/* A K-quant's full micro-tile (MR rows) over one 256-block, codes from dec: a copy per format and nz. */
+/* The other formats' full micro-tile (MR rows) over the DECODED_BLOCKS 32-blocks from j0 (fewer at the end), codes
+ * from dec: its fp32 results from out's rows and back. */
+INLINE void q_chunk(int qtype, const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p0, int nz,
+                    int64_t j0, float *out, int64_t ldo, Ahead ahead, const uint8_t *dec) {
+    const int64_t j1 = j0 + DECODED_BLOCKS < K / QB ? j0 + DECODED_BLOCKS : K / QB;
+    __m512 acc[MR * NZ];
+    for (int m = 0; m < MR; m++)
+        for (int z = 0; z < nz; z++) acc[m * NZ + z] = _mm512_loadu_ps(out + m * ldo + z * NR);
+    q_blocks(qtype, x, m0, MR, w, K, p0, nz, j0, j1, acc, out, ldo, 0, ahead, 1, dec);
+    for (int m = 0; m < MR; m++)
+        for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + m * ldo + z * NR, acc[m * NZ + z]);
+}
+
+/* A full micro-tile (MR rows) over the DECODED_BLOCKS 32-blocks from j0 (a K-quant's 256-block), codes from
+ * dec: a copy per format and nz. */
 #define KCASE(Z) case Z: k_block(qtype, x, m0, MR, w, K, p0, Z, j0, out, ldo, 0, ahead, 1, dec); break;
+#define QCHUNK(Z) case Z: q_chunk(qtype, x, m0, w, K, p0, Z, j0, out, ldo, ahead, dec); break;
 #define DECODED_FN(NAME, QT)                                                                                 \
     static void NAME##_decoded(const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p0, int nz, \
                                int64_t j0, float *out, int64_t ldo, Ahead ahead, const uint8_t *dec) {       \
         const int qtype = QT;                                                                                \
         if (IS_K_QUANT(qtype)) switch (nz) { KCASE(1) KCASE(2) KCASE(3) default: break; }                    \
+        else if (DECODES(qtype)) switch (nz) { QCHUNK(1) QCHUNK(2) QCHUNK(3) default: break; }                \
     }
 QUANT_FORMATS(DECODED_FN)
 #define DECODED_ENTRY(NAME, QT) [QT] = NAME##_decoded,
 static void (*const DECODED_TILES[])(const QuantRows *, int64_t, const uint8_t *, int64_t, int64_t, int, int64_t,
                                      float *, int64_t, Ahead, const uint8_t *) = {QUANT_FORMATS(DECODED_ENTRY)};
 
-/* Each format's decode_k_block, by qtype (a copy per format: g a literal in codes()). */
+/* Each format's decode_blocks, by qtype (a copy per format: g a literal in codes()). */
 #define DECODE_FN(NAME, QT)                                                                                  \
-    static void NAME##_decode(const uint8_t *w, int64_t K, int64_t p0, int nz, int64_t j0, uint8_t *dec,     \
-                              int stream, Ahead ahead) {                                                     \
-        if (IS_K_QUANT(QT)) decode_k_block(QT, w, K, p0, nz, j0, dec, stream, ahead);                        \
+    static void NAME##_decode(const uint8_t *w, int64_t K, int64_t p0, int nz, int64_t j0, int count,       \
+                              uint8_t *dec, int stream) {                                                    \
+        if (DECODES(QT)) decode_blocks(QT, w, K, p0, nz, j0, count, dec, stream);                            \
     }
 QUANT_FORMATS(DECODE_FN)
 #define DECODE_ENTRY(NAME, QT) [QT] = NAME##_decode,
-static void (*const DECODERS[])(const uint8_t *, int64_t, int64_t, int, int64_t, uint8_t *, int, Ahead) = {
+static void (*const DECODERS[])(const uint8_t *, int64_t, int64_t, int, int64_t, int, uint8_t *, int) = {
     QUANT_FORMATS(DECODE_ENTRY)};
 
 /* Wide-tile mode: micro-tiles of MR_WIDE rows, for every format but the K-quants: Q4_K, Q5_K and IQ4_XS,
@@ -1362,9 +1386,9 @@ static Ahead ahead_slice(const uint8_t *next, int64_t next_bytes, int64_t rows, 
     return ahead;
 }
 
-/* Full micro-tiles 0 .. num_tiles (MR rows each) from row m0 against panels p0 .. p0 + nz, decoded 256-block by
- * 256-block into this thread's buffer; `next` (next_bytes), or NULL: the next task's panels, brought into L2
- * while they compute. */
+/* Full micro-tiles 0 .. num_tiles (MR rows each) from row m0 against panels p0 .. p0 + nz, decoded
+ * DECODED_BLOCKS 32-blocks at a time into this thread's buffer; `next` (next_bytes), or NULL: the next task's
+ * panels, brought into L2 while they compute. */
 static void decoded_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t num_tiles, const uint8_t *w,
                           int64_t K, int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next,
                           int64_t next_bytes, int prefetch) {
@@ -1372,12 +1396,11 @@ static void decoded_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t num
     const int64_t nb = K / QB;
     /* the next task's panels, a slice for each micro-tile at each 32-block, spread over their compute */
     const int64_t slice = next == NULL || !prefetch ? 0 : (next_bytes / (nb * num_tiles) + 63) / 64 * 64;
-    const Ahead none = {NULL, 0, 0};
     for (int64_t i = 0; i < num_tiles; i++)
         for (int m = 0; m < MR; m++)
             for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + (i * MR + m) * ldo + z * NR, _mm512_setzero_ps());
-    for (int64_t j0 = 0; j0 < nb; j0 += KB / QB) {
-        DECODERS[qtype](w, K, p0, nz, j0, dec, prefetch, none);
+    for (int64_t j0 = 0; j0 < nb; j0 += DECODED_BLOCKS) {
+        DECODERS[qtype](w, K, p0, nz, j0, (int)(nb - j0 < DECODED_BLOCKS ? nb - j0 : DECODED_BLOCKS), dec, prefetch);
         for (int64_t i = 0; i < num_tiles; i++) {
             const Ahead ahead = {slice ? next + i * slice : NULL, num_tiles * slice, slice};
             DECODED_TILES[qtype](x, m0 + i * MR, w, K, p0, nz, j0, out + i * MR * ldo, ldo, ahead, dec);
@@ -1391,7 +1414,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
                       int prefetch) {
     const int height = tile_height(qtype);
     int64_t num_tiles = (rows + height - 1) / height, i = 0;
-    if (IS_K_QUANT(qtype) && rows / MR >= DECODE_MIN_TILES) {  /* the full micro-tiles, decoded (then the rest) */
+    if (DECODES(qtype) && height == MR && rows / MR >= DECODE_MIN_TILES) {  /* full micro-tiles decoded, then rest */
         i = rows / MR;
         decoded_tiles(qtype, x, m0, i, w, K, p0, nz, out, ldo, next, next_bytes, prefetch);
     }
