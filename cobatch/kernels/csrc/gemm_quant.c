@@ -85,11 +85,11 @@
  * into L2 as they go (ahead_slice). Calls of one or two rows can instead take one panel per task, one stream
  * per thread (single-stream mode; the VNNI path prefetches it further ahead, or not), chosen per CPU and
  * format at load (gemm_quant_set_single_stream_for), and the VNNI path micro-tiles of 8 rows with the fp32
- * results in L1 (wide tiles), chosen per CPU (gemm_quant_set_wide_tiles). A K-quant task of two full
- * micro-tiles or more turns its loops around (decoded_tiles): each 256-block of its panels is decoded once
- * into a 12 KB buffer in L1, then every micro-tile takes that 256-block from it, where each would otherwise
- * decode it again. Decoding a task's whole panels at once ran slower (twice the bytes from L2 a code
- * vector: a Zen 4, 2048 x 8192 at 16 rows, Q4_0 0.85x, Q4_K 0.67x).
+ * results in L1 (wide tiles), chosen per CPU (gemm_quant_set_wide_tiles). A task of two full 4-row
+ * micro-tiles or more (every format but Q8_0) turns its loops around (decoded_tiles): 8 32-blocks of its
+ * panels at a time are decoded into a 12 KB buffer in L1, then every micro-tile takes them from it, where
+ * each would otherwise decode them again. Decoding a task's whole panels at once ran slower (twice the bytes
+ * from L2 a code vector: a Zen 4, 2048 x 8192 at 16 rows, Q4_0 0.85x, Q4_K 0.67x).
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
  * row's result does not depend on M, the tiling or the thread count. Q6_K's two half sums are multiplied by
