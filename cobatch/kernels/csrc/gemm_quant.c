@@ -1215,7 +1215,7 @@ INLINE void k_block(int qtype, const QuantRows *x, int64_t m0, int mr, const uin
     k_block_end(qtype, x, m0, mr, blk0, nz, j0 + KB / QB - 1, ksum, out, ldo);
 }
 
-/* The formats of one scale a 32-block: their 32-blocks j0 .. j1 into acc (a wide tile's: out's rows), in K
+/* The formats with one scale per 32-block: their 32-blocks j0 .. j1 into acc (a wide tile's: out's rows), in K
  * order. Codes from `dec` (decode_blocks', from 32-block j0) where `decoded` (a literal in each copy). */
 INLINE void q_blocks(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
                      int nz, int64_t j0, int64_t j1, __m512 *acc, float *out, int64_t ldo, int stream, Ahead ahead,
