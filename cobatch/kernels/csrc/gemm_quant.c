@@ -1166,7 +1166,7 @@ INLINE void tile_prefetch(int qtype, const uint8_t *const *blk, int nz, int64_t 
 }
 
 /* A K-quant's 256-block from 32-block j0 into y[0..mr, 0..16 nz) (out's rows, fp32): its integer sums kept in
- * registers through it (ksum), the epilogue's pressure outside. Codes from `dec` (decode_k_block's, this
+ * registers through it (ksum), the epilogue's pressure outside. Codes from `dec` (decode_blocks', this
  * 256-block's) where `decoded` (a literal in each copy), else from the panels. */
 INLINE void k_block(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_t *w, int64_t K, int64_t p0,
                     int nz, int64_t j0, float *out, int64_t ldo, int stream, Ahead ahead, int decoded,
