@@ -1,14 +1,15 @@
 """gemm_quant.c's speed modes off and on, offline, alternating in one process: tok/s.
 
-    .venv/bin/python scripts/quant_modes_ab.py MODEL [--mode single-stream|single-prefetch|wide-tiles]
+    .venv/bin/python scripts/quant_modes_ab.py MODEL [--mode single-stream|single-prefetch|wide-tiles|amx]
         [--quantization q4_0] [--batch N] [--rounds 4] [--tokens 48]
 
 MODEL: a quantized GGUF file, or a dense folder / file with --quantization (quantized at load). The
 runner has already chosen each mode at load (kernels/quant_linear.py, tune_single_stream and
 tune_wide_tiles: logged at INFO); this times `--batch` requests (default: 1 for single-stream mode and
-its prefetch, 16 for wide tiles; 32 prompt tokens each, greedy, ignore EOS) with the mode off, then on,
+its prefetch, 16 for wide tiles and AMX; 32 prompt tokens each, greedy, ignore EOS) with the mode off, then on,
 per round, and prints the best of the rounds of each and their ratio (docs/BENCHMARKS.md, Quantized
-weights). single-prefetch: single-stream mode on, its software prefetch off, then on. One thread.
+weights). single-prefetch: single-stream mode on, its software prefetch off, then on. amx: the K-quants'
+16-row groups on the VNNI tiles, then on AMX-INT8 (gemm_quant_set_amx). One thread.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from cobatch.kernels.quant_linear import SINGLE_STREAM_ROWS, WIDE_TILE_ROWS, nat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
-    parser.add_argument("--mode", choices=["single-stream", "single-prefetch", "wide-tiles"],
+    parser.add_argument("--mode", choices=["single-stream", "single-prefetch", "wide-tiles", "amx"],
                         default="single-stream")
     parser.add_argument("--quantization", choices=["q8_0", "q4_0"])
     parser.add_argument("--batch", type=int)
@@ -39,10 +40,13 @@ def main() -> None:
         raise SystemExit("the quantized kernel cannot be built here")
     set_mode, on = {"single-stream": (kernel.set_single_stream, SINGLE_STREAM_ROWS),
                     "single-prefetch": (kernel.set_single_prefetch, 1),
-                    "wide-tiles": (kernel.set_wide_tiles, 1)}[args.mode]
+                    "wide-tiles": (kernel.set_wide_tiles, 1),
+                    "amx": (kernel.set_amx, 1)}[args.mode]
+    if args.mode == "amx" and not kernel.set_amx(True):
+        raise SystemExit("no AMX-INT8 tile unit here")
     if args.mode == "single-prefetch":
         kernel.set_single_stream(SINGLE_STREAM_ROWS)
-    batch = args.batch or (WIDE_TILE_ROWS if args.mode == "wide-tiles" else 1)
+    batch = args.batch or (WIDE_TILE_ROWS if args.mode in ("wide-tiles", "amx") else 1)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     calls = itertools.count()
 

@@ -154,6 +154,32 @@ def test_wide_tiles_change_no_bits(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_amx_changes_no_bits(fmt: str) -> None:
+    """The K-quants' 16-row groups on AMX's tile unit (where the CPU has it) give the VNNI tiles' bits, with a
+    rest of rows after the groups, over several 256-blocks, on 1 and 2 threads; a row's bits stay those it
+    has alone."""
+    kernel = native_quant_gemm()
+    if not kernel.set_amx(True):
+        pytest.skip("no AMX-INT8 tile unit here (CPU, kernel permission or build path)")
+    packed, dense = _weight(fmt, 80, 768)
+    x = torch.randn(70, 768)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            kernel.set_amx(False)
+            want = kernel(x, packed)
+            kernel.set_amx(True)
+            for m in (16, 32, 37, 70):
+                assert torch.equal(kernel(x[:m], packed), want[:m])
+            assert torch.equal(kernel(x[40:41], packed), want[40:41])
+    finally:
+        torch.set_num_threads(before)
+        kernel.set_amx(True)
+    _check(want, x, dense, fmt)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_bias_bf16_and_batch_dims(fmt: str) -> None:
     packed, dense = _weight(fmt, 48, 256)
     x, bias = torch.randn(2, 5, 256), torch.randn(48)

@@ -94,6 +94,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     "gemm_quant_set_single_prefetch": (None, [_INT]),
     "gemm_quant_set_single_prefetch_for": (None, [_INT, _INT]),
     "gemm_quant_set_wide_tiles": (None, [_INT]),
+    "gemm_quant_set_amx": (_INT, [_INT]),
     "gemm_quant": (_INT, [_PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT, _INT]),
     "quant_pack": (_INT, [_PTR, _INT, _I64, _I64, _PTR, _INT]),
     "quant_rows": (_INT, [_PTR, _INT, _PTR, _I64, _I64, _I64, _PTR, _INT]),

@@ -129,6 +129,11 @@ class QuantGemm:
         """The VNNI path's 8-row micro-tiles (1) or 4-row ones (0)."""
         self._set_mode("gemm_quant_set_wide_tiles", None, on)
 
+    def set_amx(self, on: bool) -> bool:
+        """The K-quants' 16-row groups on AMX's tile unit (on, the default where the CPU has AMX-INT8 and Linux
+        grants it) or on the VNNI tiles (off: A/B runs, tests); the bits are the same. Whether AMX is in use."""
+        return bool(self._lib.gemm_quant_set_amx(int(on)))
+
     def copy_modes_to(self, lib: ctypes.CDLL) -> None:
         """Make the speed choices made here in another build of the library (KERNEL_TIMERS' twin): each
         build keeps its own."""

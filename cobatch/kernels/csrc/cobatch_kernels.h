@@ -193,6 +193,9 @@ void gemm_quant_set_single_prefetch(int level);
 void gemm_quant_set_single_prefetch_for(int qtype, int level);
 /* VNNI path: micro-tiles of 8 rows instead of 4 for Q8_0 / Q4_0 / Q5_0 (1: on, 0: off; a speed choice). */
 void gemm_quant_set_wide_tiles(int on);
+/* VNNI path: a call's full 16-row groups on AMX's tile unit (AMX-INT8; 1: on, the default where the CPU has it
+ * and Linux grants it; 0: off, for A/B runs). The bits are the same either way. Returns whether it is in use. */
+int gemm_quant_set_amx(int on);
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL), W packed from GGUF blocks; x, bias, y fp32 or bf16. */
 int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
                int64_t K, int is_bf16, int num_threads);

@@ -94,8 +94,7 @@ DEFINE_TILE_ANY(tile_any, tile)
 static const PackedKernel BF16 = {2, 2, 2, 0, 1, MR, tile_any, silu_mul_rows_bf16};
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 /* AMX (Sapphire Rapids and later): the same tile on the tile unit. tdpbf16ps multiplies a tile of up to 16
  * rows x 32 K (A: x) by 32 K x 16 columns in the K-pair layout (B: 16 lines of 64 bytes, exactly one
@@ -105,20 +104,6 @@ static const PackedKernel BF16 = {2, 2, 2, 0, 1, MR, tile_any, silu_mul_rows_bf1
  * B per panel: 7 of the 8 tile registers. */
 #define AMX_K 32    /* K values per tdpbf16ps: 64 bytes of A per row, 16 pair lines of B */
 #define AMX_ROWS 16 /* rows of x per micro-tile: a full A tile */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Linux grants the tile state only on request (once per process); -1: not asked yet. */
-static int amx_state = -1;
-
-static int amx_permitted(void) {
-    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return amx_state;
-}
 
 /* C tiles 0..2 and A tile 3 of mr rows, B tiles 4..6 of 16 pair lines. Loaded by every micro-tile: another
  * AMX user on this thread (oneDNN under torch) may have loaded its own in between. */

@@ -103,6 +103,7 @@
  * vectors before one vpmaddwd widens them: pairs_per_widen; a panel as two 8-lane halves), else (or with
  * -DQUANT_SCALAR) as plain C on 16-lane vectors.
  */
+#define _DEFAULT_SOURCE /* syscall() under -std=c11: AMX's permission request (amx.h) */
 #include "cobatch_kernels.h"
 #include "parallel.h"
 
@@ -126,6 +127,9 @@
 #define QUANT_VNNI (QUANT_PATH == QUANT_AVX512_VNNI)
 #if QUANT_PATH != QUANT_PLAIN
 #include <immintrin.h>
+#endif
+#if QUANT_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include "amx.h"
 #endif
 
 #define QB 32   /* weights per activation block (and per Q8_0 / Q4_0 block, per Q4_K sub-block) */
@@ -1408,10 +1412,168 @@ static void decoded_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t num
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+/* AMX-INT8 (Sapphire Rapids and later) for the K-quants: a task's full 16-row groups take a 256-block's integer
+ * sum, its sub-block scales included, from the tile unit in one pass. Each code is decoded times its sub-block's
+ * integer scale, p = scale (c - o) (|p| <= 4096), and p split into two int8 planes, p = 128 hi + lo with lo in
+ * 0..127 (amx_k_decode). Then tdpbssd multiplies x's 16 rows (A: int8, 64 K a row, rows K apart) by 64 K of a
+ * plane (B: one 64-byte line per 4 K of the panel's 16 outputs) into 16 x 16 int32 sums, 4 steps a 256-block
+ * and plane: sum(lo q) + 128 sum(hi q) is k_block's ksum exactly, the scaled sub-block sums added up (|ksum| <
+ * 2^28), so k_block_end turns it to fp32 as on the VNNI tiles and a row's bits are the same. Why the planes: a
+ * tile's sums reach the vector registers only through memory, and loads wait for a pending tile store, so a
+ * store per sub-block (its scale applied after it) left the unit idle: 8 stores a 256-block against 2 here. */
+#define AMX_ROWS 16
+/* Rows a task needs to take the tile unit: at 16 rows the planes' decode, which no second group shares, cost
+ * Q4_K, Q5_K and IQ4_XS more than their VNNI tiles (whose codes are one AND away), 0.89-0.92x, while Q6_K,
+ * Q3_K and Q2_K ran 1.11-1.31x; at 32 rows every K-quant ran 1.11-1.35x (an AMX Xeon, 1 thread, 2048 x 2048
+ * and 8192 x 2048). */
+#define AMX_MIN_ROWS(qtype) (HAS_MINS(qtype) || IS_XS(qtype) ? 2 * AMX_ROWS : AMX_ROWS)
+#define AMX_PLANE_AT(z, plane, jj, g) ((((int64_t)(z) * 2 + (plane)) * DECODED_BLOCKS + (jj)) * 512 + 64 * (g))
+
+static int quant_amx = 1; /* the tile unit where the CPU has it and Linux grants it (0: off, for A/B runs) */
+
+int gemm_quant_set_amx(int on) {
+    quant_amx = on;
+    return on && amx_permitted();
+}
+
+static int amx_in_use(void) { return quant_amx && amx_permitted(); }
+
+/* Tile 0: A (16 rows of 64 K); 1, 2: B (the lo and hi planes' 64 K); 3, 4: their sums. */
+static void amx_configure_quant(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) c.rows[t] = AMX_ROWS, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* A 256-block from 32-block j0 of panels p0 .. p0 + nz as the two planes of scale (c - o) (AMX_PLANE_AT), the
+ * panels prefetched `stream` 32-blocks ahead. */
+INLINE void amx_k_decode(int qtype, const uint8_t *w, int64_t K, int64_t p0, int nz, int64_t j0, uint8_t *dec,
+                         int stream) {
+    const Ahead none = {NULL, 0, 0};
+    const __m512i off = _mm512_set1_epi8((char)(HAS_KMIN(qtype) ? 0 : (int)code_offset(qtype)));
+    const __m512i low7 = _mm512_set1_epi16(127), byte = _mm512_set1_epi16(0xff);
+    const int halves = sums_per_block(qtype);
+    for (int z = 0; z < nz; z++) {
+        const uint8_t *blk = panel_block(qtype, w, K, p0 + z, j0);
+        __m512i kscale[16];
+        if (HAS_MINS(qtype)) {
+            __m512i sm[2];
+            k4_unpack(blk, 0, sm);
+            for (int i = 0; i < 8; i++) kscale[i] = k4_scale(sm, i);
+        }
+        if (IS_XS(qtype)) iq4_unpack(blk, kscale);
+        if (qtype == QUANT_Q3_K) q3_unpack(blk, kscale);
+        if (qtype == QUANT_Q2_K) q2_unpack(blk, kscale);
+        for (int jj = 0; jj < DECODED_BLOCKS; jj++) {
+            tile_prefetch(qtype, &blk, 1, j0 + jj, stream, none);
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                const int hf = g * halves / 8;
+                const __m512i sc = HAS_KSCALE(qtype) ? kscale[IS_LOW2(qtype) ? 2 * jj + hf : jj]
+                                   : _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q6_scales(blk, j0 + jj, hf)));
+                const __m512i sc16 = _mm512_or_si512(_mm512_and_si512(sc, _mm512_set1_epi32(0xffff)),
+                                                     _mm512_slli_epi32(sc, 16));
+                const __m512i c = _mm512_sub_epi8(codes(qtype, blk, jj, g, 0), off);
+                const __m512i even = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(c, 8), 8), sc16);
+                const __m512i odd = _mm512_mullo_epi16(_mm512_srai_epi16(c, 8), sc16);
+                const __m512i lo = _mm512_or_si512(_mm512_and_si512(even, low7),
+                                                   _mm512_slli_epi16(_mm512_and_si512(odd, low7), 8));
+                const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(even, 7), byte),
+                                                   _mm512_slli_epi16(_mm512_srai_epi16(odd, 7), 8));
+                _mm512_store_si512(dec + AMX_PLANE_AT(z, 0, jj, g), lo);
+                _mm512_store_si512(dec + AMX_PLANE_AT(z, 1, jj, g), hi);
+            }
+        }
+    }
+}
+
+/* The 256-block from 32-block j0 of panel p (z in dec) for rows m0 .. m0 + 16 into out's rows. */
+INLINE void amx_k_panel(int qtype, const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p, int z,
+                        int64_t j0, float *out, int64_t ldo, const uint8_t *dec) {
+    _Alignas(64) int32_t sums[2][AMX_ROWS][NR];
+    _tile_zero(3);
+    _tile_zero(4);
+    for (int t = 0; t < DECODED_BLOCKS / 2; t++) {  /* 64 K a step: 32-blocks 2 t, 2 t + 1 */
+        _tile_loadd(0, x->q + m0 * K + j0 * QB + 2 * QB * t, K);
+        _tile_loadd(1, dec + AMX_PLANE_AT(z, 0, 2 * t, 0), 64);
+        _tile_loadd(2, dec + AMX_PLANE_AT(z, 1, 2 * t, 0), 64);
+        _tile_dpbssd(3, 0, 1);
+        _tile_dpbssd(4, 0, 2);
+    }
+    _tile_stored(3, sums[0], 64);
+    _tile_stored(4, sums[1], 64);
+    __m512i ksum[AMX_ROWS * NZ];  /* k_block_end's order: this panel's at m NZ */
+    for (int m = 0; m < AMX_ROWS; m++)
+        ksum[m * NZ] = _mm512_add_epi32(_mm512_load_si512(sums[0][m]), _mm512_slli_epi32(_mm512_load_si512(sums[1][m]), 7));
+    const uint8_t *blk0 = panel_block(qtype, w, K, p, j0);
+    k_block_end(qtype, x, m0, AMX_ROWS, &blk0, 1, j0 + KB / QB - 1, ksum, out, ldo);
+}
+
+/* A K-quant's panel over one 256-block, and its amx_k_decode. */
+#define AMX_FN(NAME, QT)                                                                                     \
+    static void NAME##_amx(const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p, int z,      \
+                           int64_t j0, float *out, int64_t ldo, const uint8_t *dec) {                        \
+        if (IS_K_QUANT(QT)) amx_k_panel(QT, x, m0, w, K, p, z, j0, out, ldo, dec);                           \
+    }                                                                                                        \
+    static void NAME##_amx_decode(const uint8_t *w, int64_t K, int64_t p0, int nz, int64_t j0, uint8_t *dec, \
+                                  int stream) {                                                              \
+        if (IS_K_QUANT(QT)) amx_k_decode(QT, w, K, p0, nz, j0, dec, stream);                                 \
+    }
+QUANT_FORMATS(AMX_FN)
+#define AMX_ENTRY(NAME, QT) [QT] = NAME##_amx,
+#define AMX_DECODE_ENTRY(NAME, QT) [QT] = NAME##_amx_decode,
+static void (*const AMX_PANELS[])(const QuantRows *, int64_t, const uint8_t *, int64_t, int64_t, int, int64_t,
+                                  float *, int64_t, const uint8_t *) = {QUANT_FORMATS(AMX_ENTRY)};
+static void (*const AMX_DECODERS[])(const uint8_t *, int64_t, int64_t, int, int64_t, uint8_t *, int) = {
+    QUANT_FORMATS(AMX_DECODE_ENTRY)};
+
+/* A K-quant's groups of 16 rows from row m0 against panels p0 .. p0 + nz, a 256-block at a time decoded once for
+ * all of them; `next` (next_bytes), or NULL: the next task's panels, brought into L2 a slice per 256-block. */
+static void amx_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,
+                      int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
+                      int prefetch) {
+    static _Thread_local uint8_t dec[NZ * 2 * DECODED_BYTES] __attribute__((aligned(64)));
+    const int64_t nb = K / QB, blocks = nb / DECODED_BLOCKS;
+    const int64_t slice = next == NULL || !prefetch ? 0 : (next_bytes / blocks + 63) / 64 * 64;
+    for (int64_t m = 0; m < groups * AMX_ROWS; m++)
+        for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + m * ldo + z * NR, _mm512_setzero_ps());
+    amx_configure_quant();
+    for (int64_t j0 = 0; j0 < nb; j0 += DECODED_BLOCKS) {
+        AMX_DECODERS[qtype](w, K, p0, nz, j0, dec, prefetch);
+        for (int64_t b = 0; b < slice; b += 64)
+            _mm_prefetch((const char *)next + j0 / DECODED_BLOCKS * slice + b, _MM_HINT_T2);
+        for (int64_t g = 0; g < groups; g++)
+            for (int z = 0; z < nz; z++)
+                AMX_PANELS[qtype](x, m0 + g * AMX_ROWS, w, K, p0 + z, z, j0, out + g * AMX_ROWS * ldo + z * NR, ldo, dec);
+    }
+    _tile_release();
+}
+#else
+int gemm_quant_set_amx(int on) { (void)on; return 0; }
+static int amx_in_use(void) { return 0; }
+#define AMX_ROWS 16
+#define AMX_MIN_ROWS(qtype) AMX_ROWS
+static void amx_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,
+                      int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
+                      int prefetch) {
+    (void)qtype, (void)x, (void)m0, (void)groups, (void)w, (void)K, (void)p0, (void)nz, (void)out, (void)ldo;
+    (void)next, (void)next_bytes, (void)prefetch;
+}
+#endif
+
 /* Rows m0 .. m0 + rows against panels p0 .. p0 + nz; `next`: the next task's panels (next_bytes), or NULL. */
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
                       int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
                       int prefetch) {
+    if (IS_K_QUANT(qtype) && rows >= AMX_MIN_ROWS(qtype) && amx_in_use()) {  /* 16-row groups on AMX, then the rest */
+        const int64_t done = rows / AMX_ROWS * AMX_ROWS;
+        amx_tiles(qtype, x, m0, rows / AMX_ROWS, w, K, p0, nz, out, ldo, next, next_bytes, prefetch);
+        m0 += done, rows -= done, out += done * ldo, next = NULL;
+        if (rows == 0) return;
+    }
     const int height = tile_height(qtype);
     int64_t num_tiles = (rows + height - 1) / height, i = 0;
     if (DECODES(qtype) && height == MR && rows / MR >= DECODE_MIN_TILES) {  /* full micro-tiles decoded, then rest */
@@ -1433,6 +1595,7 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 
 #if !QUANT_VNNI
 void gemm_quant_set_wide_tiles(int on) { (void)on; }  /* the VNNI path's modes; the others have one tile */
+int gemm_quant_set_amx(int on) { (void)on; return 0; }
 /* and prefetch nothing in single-stream mode */
 void gemm_quant_set_single_prefetch_for(int qtype, int level) { (void)qtype, (void)level; }
 
