@@ -1424,9 +1424,9 @@ static void decoded_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t num
  * store per sub-block (its scale applied after it) left the unit idle: 8 stores a 256-block against 2 here. */
 #define AMX_ROWS 16
 /* Rows a task needs to take the tile unit: at 16 rows the planes' decode, which no second group shares, cost
- * Q4_K, Q5_K and IQ4_XS more than their VNNI tiles (whose codes are one AND away), 0.89-0.92x, while Q6_K,
- * Q3_K and Q2_K ran 1.11-1.31x; at 32 rows every K-quant ran 1.11-1.35x (an AMX Xeon, 1 thread, 2048 x 2048
- * and 8192 x 2048). */
+ * Q4_K and Q5_K more than their VNNI tiles (whose codes are one AND away), 0.84-0.89x, and IQ4_XS ran even,
+ * while Q6_K ran 1.01-1.09x, Q3_K 1.19x, Q2_K 1.16x; at 32 rows every K-quant ran 1.22-1.72x, at 128 1.65-2.44x
+ * (an AMX Xeon, 1 thread, 2048 x 2048, 8192 x 2048 and 2048 x 8192). */
 #define AMX_MIN_ROWS(qtype) (HAS_MINS(qtype) || IS_XS(qtype) ? 2 * AMX_ROWS : AMX_ROWS)
 #define AMX_PLANE_AT(z, plane, jj, g) ((((int64_t)(z) * 2 + (plane)) * DECODED_BLOCKS + (jj)) * 512 + 64 * (g))
 
@@ -1439,25 +1439,20 @@ int gemm_quant_set_amx(int on) {
 
 static int amx_in_use(void) { return quant_amx && amx_permitted(); }
 
-/* Tile 0: A (16 rows of 64 K); 1, 2: B (the lo and hi planes' 64 K); 3, 4: their sums. */
-static void amx_configure_quant(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 5; t++) c.rows[t] = AMX_ROWS, c.colsb[t] = 64;
-    _tile_loadconfig(&c);
-}
+/* Tile 0: A (16 rows of 64 K); 1, 2: B (the lo and hi planes' 64 K); 3, 4: their sums. A constant: stores to a
+ * local one before ldtilecfg were dropped by gcc (it does not see the instruction read them). */
+static const TileConfig AMX_QUANT_TILES = {.palette = 1, .colsb = {64, 64, 64, 64, 64},
+                                           .rows = {AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS}};
 
-/* A 256-block from 32-block j0 of panels p0 .. p0 + nz as the two planes of scale (c - o) (AMX_PLANE_AT), the
- * panels prefetched `stream` 32-blocks ahead. */
-INLINE void amx_k_decode(int qtype, const uint8_t *w, int64_t K, int64_t p0, int nz, int64_t j0, uint8_t *dec,
-                         int stream) {
+/* A 256-block from 32-block j0 of panel p as the two planes of scale (c - o) (AMX_PLANE_AT's of z 0), the
+ * panel prefetched `stream` 32-blocks ahead. */
+INLINE void amx_k_decode(int qtype, const uint8_t *w, int64_t K, int64_t p, int64_t j0, uint8_t *dec, int stream) {
     const Ahead none = {NULL, 0, 0};
     const __m512i off = _mm512_set1_epi8((char)(HAS_KMIN(qtype) ? 0 : (int)code_offset(qtype)));
     const __m512i low7 = _mm512_set1_epi16(127), byte = _mm512_set1_epi16(0xff);
     const int halves = sums_per_block(qtype);
-    for (int z = 0; z < nz; z++) {
-        const uint8_t *blk = panel_block(qtype, w, K, p0 + z, j0);
+    {
+        const uint8_t *blk = panel_block(qtype, w, K, p, j0);
         __m512i kscale[16];
         if (HAS_MINS(qtype)) {
             __m512i sm[2];
@@ -1483,28 +1478,36 @@ INLINE void amx_k_decode(int qtype, const uint8_t *w, int64_t K, int64_t p0, int
                                                    _mm512_slli_epi16(_mm512_and_si512(odd, low7), 8));
                 const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(even, 7), byte),
                                                    _mm512_slli_epi16(_mm512_srai_epi16(odd, 7), 8));
-                _mm512_store_si512(dec + AMX_PLANE_AT(z, 0, jj, g), lo);
-                _mm512_store_si512(dec + AMX_PLANE_AT(z, 1, jj, g), hi);
+                _mm512_store_si512(dec + AMX_PLANE_AT(0, 0, jj, g), lo);
+                _mm512_store_si512(dec + AMX_PLANE_AT(0, 1, jj, g), hi);
             }
         }
     }
 }
 
-/* The 256-block from 32-block j0 of panel p (z in dec) for rows m0 .. m0 + 16 into out's rows. */
-INLINE void amx_k_panel(int qtype, const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p, int z,
-                        int64_t j0, float *out, int64_t ldo, const uint8_t *dec) {
-    _Alignas(64) int32_t sums[2][AMX_ROWS][NR];
+/* The products of a 256-block (from 32-block j0) for rows m0 .. m0 + 16 with a panel's planes (dec) into tiles 3
+ * and 4, 64 K a step. */
+INLINE void amx_k_products(const QuantRows *x, int64_t m0, int64_t K, int64_t j0, const uint8_t *dec) {
     _tile_zero(3);
     _tile_zero(4);
-    for (int t = 0; t < DECODED_BLOCKS / 2; t++) {  /* 64 K a step: 32-blocks 2 t, 2 t + 1 */
+    for (int t = 0; t < DECODED_BLOCKS / 2; t++) {  /* 32-blocks 2 t, 2 t + 1 */
         _tile_loadd(0, x->q + m0 * K + j0 * QB + 2 * QB * t, K);
-        _tile_loadd(1, dec + AMX_PLANE_AT(z, 0, 2 * t, 0), 64);
-        _tile_loadd(2, dec + AMX_PLANE_AT(z, 1, 2 * t, 0), 64);
+        _tile_loadd(1, dec + AMX_PLANE_AT(0, 0, 2 * t, 0), 64);
+        _tile_loadd(2, dec + AMX_PLANE_AT(0, 1, 2 * t, 0), 64);
         _tile_dpbssd(3, 0, 1);
         _tile_dpbssd(4, 0, 2);
     }
+}
+
+INLINE void amx_k_store(int32_t sums[2][AMX_ROWS][NR]) {
     _tile_stored(3, sums[0], 64);
     _tile_stored(4, sums[1], 64);
+}
+
+/* The stored planes' sums of the 256-block from 32-block j0 of panel p, rows m0 .. m0 + 16, into out's rows:
+ * lo + 128 hi is k_block's ksum, then its k_block_end. */
+INLINE void amx_k_epilogue(int qtype, const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p,
+                           int64_t j0, float *out, int64_t ldo, int32_t sums[2][AMX_ROWS][NR]) {
     __m512i ksum[AMX_ROWS * NZ];  /* k_block_end's order: this panel's at m NZ */
     for (int m = 0; m < AMX_ROWS; m++)
         ksum[m * NZ] = _mm512_add_epi32(_mm512_load_si512(sums[0][m]), _mm512_slli_epi32(_mm512_load_si512(sums[1][m]), 7));
@@ -1512,44 +1515,62 @@ INLINE void amx_k_panel(int qtype, const QuantRows *x, int64_t m0, const uint8_t
     k_block_end(qtype, x, m0, AMX_ROWS, &blk0, 1, j0 + KB / QB - 1, ksum, out, ldo);
 }
 
-/* A K-quant's panel over one 256-block, and its amx_k_decode. */
-#define AMX_FN(NAME, QT)                                                                                     \
-    static void NAME##_amx(const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p, int z,      \
-                           int64_t j0, float *out, int64_t ldo, const uint8_t *dec) {                        \
-        if (IS_K_QUANT(QT)) amx_k_panel(QT, x, m0, w, K, p, z, j0, out, ldo, dec);                           \
-    }                                                                                                        \
-    static void NAME##_amx_decode(const uint8_t *w, int64_t K, int64_t p0, int nz, int64_t j0, uint8_t *dec, \
-                                  int stream) {                                                              \
-        if (IS_K_QUANT(QT)) amx_k_decode(QT, w, K, p0, nz, j0, dec, stream);                                 \
-    }
-QUANT_FORMATS(AMX_FN)
-#define AMX_ENTRY(NAME, QT) [QT] = NAME##_amx,
-#define AMX_DECODE_ENTRY(NAME, QT) [QT] = NAME##_amx_decode,
-static void (*const AMX_PANELS[])(const QuantRows *, int64_t, const uint8_t *, int64_t, int64_t, int, int64_t,
-                                  float *, int64_t, const uint8_t *) = {QUANT_FORMATS(AMX_ENTRY)};
-static void (*const AMX_DECODERS[])(const uint8_t *, int64_t, int64_t, int, int64_t, uint8_t *, int) = {
-    QUANT_FORMATS(AMX_DECODE_ENTRY)};
-
-/* A K-quant's groups of 16 rows from row m0 against panels p0 .. p0 + nz, a 256-block at a time decoded once for
- * all of them; `next` (next_bytes), or NULL: the next task's panels, brought into L2 a slice per 256-block. */
-static void amx_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,
-                      int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
-                      int prefetch) {
+/* A K-quant's groups of 16 rows from row m0 against panels p0 .. p0 + nz, a 256-block at a time, each panel's
+ * decoded once for all groups; `next` (next_bytes), or NULL: the next task's panels, brought into L2 a slice per
+ * 256-block. Software-pipelined around the tile store that the epilogue's loads wait for: a (256-block, panel,
+ * group) item's products are issued, then (at its panel's last group) the next panel's decode and the previous
+ * item's epilogue run on the vector units meanwhile, and only then is this item's sum stored. */
+INLINE void amx_k_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,
+                        int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
+                        int prefetch) {
     static _Thread_local uint8_t dec[NZ * 2 * DECODED_BYTES] __attribute__((aligned(64)));
+    _Alignas(64) int32_t sums[2][2][AMX_ROWS][NR];  /* an item's two planes' sums, by the item's parity */
     const int64_t nb = K / QB, blocks = nb / DECODED_BLOCKS;
     const int64_t slice = next == NULL || !prefetch ? 0 : (next_bytes / blocks + 63) / 64 * 64;
     for (int64_t m = 0; m < groups * AMX_ROWS; m++)
         for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + m * ldo + z * NR, _mm512_setzero_ps());
-    amx_configure_quant();
+    _tile_loadconfig(&AMX_QUANT_TILES);
+    amx_k_decode(qtype, w, K, p0, 0, dec, prefetch);
+    int64_t n = 0, pj = 0, pg = 0;  /* items issued; the last one's 32-block, group and panel */
+    int pz = 0;
     for (int64_t j0 = 0; j0 < nb; j0 += DECODED_BLOCKS) {
-        AMX_DECODERS[qtype](w, K, p0, nz, j0, dec, prefetch);
         for (int64_t b = 0; b < slice; b += 64)
             _mm_prefetch((const char *)next + j0 / DECODED_BLOCKS * slice + b, _MM_HINT_T2);
-        for (int64_t g = 0; g < groups; g++)
-            for (int z = 0; z < nz; z++)
-                AMX_PANELS[qtype](x, m0 + g * AMX_ROWS, w, K, p0 + z, z, j0, out + g * AMX_ROWS * ldo + z * NR, ldo, dec);
+        for (int z = 0; z < nz; z++)
+            for (int64_t g = 0; g < groups; g++) {
+                amx_k_products(x, m0 + g * AMX_ROWS, K, j0, dec + AMX_PLANE_AT(z, 0, 0, 0));
+                if (g == groups - 1 && z + 1 < nz)  /* (the tiles loaded before these stores: x86 keeps that order) */
+                    amx_k_decode(qtype, w, K, p0 + z + 1, j0, dec + AMX_PLANE_AT(z + 1, 0, 0, 0), prefetch);
+                else if (g == groups - 1 && j0 + DECODED_BLOCKS < nb)
+                    amx_k_decode(qtype, w, K, p0, j0 + DECODED_BLOCKS, dec, prefetch);
+                if (n > 0)
+                    amx_k_epilogue(qtype, x, m0 + pg * AMX_ROWS, w, K, p0 + pz, pj, out + pg * AMX_ROWS * ldo + pz * NR,
+                                   ldo, sums[(n - 1) % 2]);
+                amx_k_store(sums[n % 2]);
+                pj = j0, pz = z, pg = g, n++;
+            }
     }
+    amx_k_epilogue(qtype, x, m0 + pg * AMX_ROWS, w, K, p0 + pz, pj, out + pg * AMX_ROWS * ldo + pz * NR, ldo,
+                   sums[(n - 1) % 2]);
     _tile_release();
+}
+
+/* Each K-quant's amx_k_tiles (a copy per format: qtype a literal in the decode and the epilogue). */
+#define AMX_FN(NAME, QT)                                                                                     \
+    static void NAME##_amx(const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,      \
+                           int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes, \
+                           int prefetch) {                                                                   \
+        if (IS_K_QUANT(QT)) amx_k_tiles(QT, x, m0, groups, w, K, p0, nz, out, ldo, next, next_bytes, prefetch); \
+    }
+QUANT_FORMATS(AMX_FN)
+#define AMX_ENTRY(NAME, QT) [QT] = NAME##_amx,
+static void (*const AMX_TILES[])(const QuantRows *, int64_t, int64_t, const uint8_t *, int64_t, int64_t, int, float *,
+                                 int64_t, const uint8_t *, int64_t, int) = {QUANT_FORMATS(AMX_ENTRY)};
+
+static void amx_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,
+                      int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
+                      int prefetch) {
+    AMX_TILES[qtype](x, m0, groups, w, K, p0, nz, out, ldo, next, next_bytes, prefetch);
 }
 #else
 int gemm_quant_set_amx(int on) { (void)on; return 0; }
