@@ -155,9 +155,9 @@ def test_wide_tiles_change_no_bits(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_amx_changes_no_bits(fmt: str) -> None:
-    """The K-quants' 16-row groups on AMX's tile unit (where the CPU has it) give the VNNI tiles' bits, with a
-    rest of rows after the groups, over several 256-blocks, on 1 and 2 threads; a row's bits stay those it
-    has alone."""
+    """The K-quants' 16-row groups on AMX's tile unit (where the CPU has it: tasks of 32 rows or more, 48 for
+    Q4_K and Q5_K) give the VNNI tiles' bits, with a rest of rows after the groups, over several 256-blocks, on
+    1 and 2 threads; a row's bits stay those it has alone."""
     kernel = native_quant_gemm()
     if not kernel.set_amx(True):
         pytest.skip("no AMX-INT8 tile unit here (CPU, kernel permission or build path)")
@@ -170,7 +170,7 @@ def test_amx_changes_no_bits(fmt: str) -> None:
             kernel.set_amx(False)
             want = kernel(x, packed)
             kernel.set_amx(True)
-            for m in (16, 32, 37, 70):
+            for m in (16, 32, 37, 48, 70):
                 assert torch.equal(kernel(x[:m], packed), want[:m])
             assert torch.equal(kernel(x[40:41], packed), want[40:41])
     finally:

@@ -89,7 +89,9 @@
  * micro-tiles or more (every format but Q8_0) turns its loops around (decoded_tiles): 8 32-blocks of its
  * panels at a time are decoded into a 12 KB buffer in L1, then every micro-tile takes them from it, where
  * each would otherwise decode them again. Decoding a task's whole panels at once ran slower (twice the bytes
- * from L2 a code vector: a Zen 4, 2048 x 8192 at 16 rows, Q4_0 0.85x, Q4_K 0.67x).
+ * from L2 a code vector: a Zen 4, 2048 x 8192 at 16 rows, Q4_0 0.85x, Q4_K 0.67x). Where the CPU has AMX-INT8,
+ * a K-quant task of 32 or 48 rows or more (AMX_MIN_ROWS) takes its full 16-row groups' integer sums from the
+ * tile unit instead, a 256-block at a time (amx_k_tiles).
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
  * row's result does not depend on M, the tiling or the thread count. Q6_K's two half sums are multiplied by
@@ -112,7 +114,8 @@
 #include <stdlib.h>
 
 /* The path this build takes: AVX-512 VNNI; else AVX2 (-DQUANT_NO_VNNI picks it on a VNNI CPU, for tests);
- * else plain C on 16-lane vectors (-DQUANT_SCALAR anywhere). */
+ * else plain C on 16-lane vectors (-DQUANT_SCALAR anywhere). The VNNI path uses AMX-INT8 where the CPU has it
+ * (-DQUANT_NO_AMX builds it without, for A/B runs of builds). */
 #define QUANT_PLAIN 0
 #define QUANT_AVX2 1
 #define QUANT_AVX512_VNNI 2
@@ -128,7 +131,7 @@
 #if QUANT_PATH != QUANT_PLAIN
 #include <immintrin.h>
 #endif
-#if QUANT_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if QUANT_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(QUANT_NO_AMX)
 #include "amx.h"
 #endif
 
@@ -1412,7 +1415,7 @@ static void decoded_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t num
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(QUANT_NO_AMX)
 /* AMX-INT8 (Sapphire Rapids and later) for the K-quants: a task's full 16-row groups take a 256-block's integer
  * sum, its sub-block scales included, from the tile unit in one pass. Each code is decoded times its sub-block's
  * integer scale, p = scale (c - o) (|p| <= 4096), and p split into two int8 planes, p = 128 hi + lo with lo in
@@ -1423,11 +1426,12 @@ static void decoded_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t num
  * tile's sums reach the vector registers only through memory, and loads wait for a pending tile store, so a
  * store per sub-block (its scale applied after it) left the unit idle: 8 stores a 256-block against 2 here. */
 #define AMX_ROWS 16
-/* Rows a task needs to take the tile unit: at 16 rows the planes' decode, which no second group shares, cost
- * Q4_K and Q5_K more than their VNNI tiles (whose codes are one AND away), 0.84-0.89x, and IQ4_XS ran even,
- * while Q6_K ran 1.01-1.09x, Q3_K 1.19x, Q2_K 1.16x; at 32 rows every K-quant ran 1.22-1.72x, at 128 1.65-2.44x
- * (an AMX Xeon, 1 thread, 2048 x 2048, 8192 x 2048 and 2048 x 8192). */
-#define AMX_MIN_ROWS(qtype) (HAS_MINS(qtype) || IS_XS(qtype) ? 2 * AMX_ROWS : AMX_ROWS)
+/* Rows a task needs to take the tile unit: below them the planes' decode, which fewer groups share, costs more
+ * than the VNNI tiles' sums. One thread, 8192 x 2048 out of cache, an AMX Xeon (docs/BENCHMARKS.md, Quantized
+ * weights): at 16 rows Q6_K ran 0.88x, Q3_K 1.07x, Q2_K 1.00x; at 32 Q6_K 1.07-1.10x, IQ4_XS 1.17x, Q3_K 1.33x,
+ * Q2_K 1.27x, but Q4_K 0.97-1.00x and Q5_K 0.89-0.96x (their VNNI codes are one AND away); at 48 Q4_K 1.21x, Q5_K
+ * 1.03x; at 128 every K-quant 1.53-2.32x. */
+#define AMX_MIN_ROWS(qtype) (HAS_MINS(qtype) ? 3 * AMX_ROWS : 2 * AMX_ROWS)
 #define AMX_PLANE_AT(z, plane, jj, g) ((((int64_t)(z) * 2 + (plane)) * DECODED_BLOCKS + (jj)) * 512 + 64 * (g))
 
 static int quant_amx = 1; /* the tile unit where the CPU has it and Linux grants it (0: off, for A/B runs) */
@@ -1468,7 +1472,8 @@ INLINE void amx_k_decode(int qtype, const uint8_t *w, int64_t K, int64_t p, int6
             for (int g = 0; g < 8; g++) {
                 const int hf = g * halves / 8;
                 const __m512i sc = HAS_KSCALE(qtype) ? kscale[IS_LOW2(qtype) ? 2 * jj + hf : jj]
-                                   : _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q6_scales(blk, j0 + jj, hf)));
+                                   : _mm512_cvtepi8_epi32(
+                                         _mm_loadu_si128((const __m128i *)q6_scales(blk, j0 + jj, hf)));
                 const __m512i sc16 = _mm512_or_si512(_mm512_and_si512(sc, _mm512_set1_epi32(0xffff)),
                                                      _mm512_slli_epi32(sc, 16));
                 const __m512i c = _mm512_sub_epi8(codes(qtype, blk, jj, g, 0), off);
@@ -1510,7 +1515,8 @@ INLINE void amx_k_epilogue(int qtype, const QuantRows *x, int64_t m0, const uint
                            int64_t j0, float *out, int64_t ldo, int32_t sums[2][AMX_ROWS][NR]) {
     __m512i ksum[AMX_ROWS * NZ];  /* k_block_end's order: this panel's at m NZ */
     for (int m = 0; m < AMX_ROWS; m++)
-        ksum[m * NZ] = _mm512_add_epi32(_mm512_load_si512(sums[0][m]), _mm512_slli_epi32(_mm512_load_si512(sums[1][m]), 7));
+        ksum[m * NZ] = _mm512_add_epi32(_mm512_load_si512(sums[0][m]),
+                                        _mm512_slli_epi32(_mm512_load_si512(sums[1][m]), 7));
     const uint8_t *blk0 = panel_block(qtype, w, K, p, j0);
     k_block_end(qtype, x, m0, AMX_ROWS, &blk0, 1, j0 + KB / QB - 1, ksum, out, ldo);
 }
