@@ -1455,37 +1455,35 @@ INLINE void amx_k_decode(int qtype, const uint8_t *w, int64_t K, int64_t p, int6
     const __m512i off = _mm512_set1_epi8((char)(HAS_KMIN(qtype) ? 0 : (int)code_offset(qtype)));
     const __m512i low7 = _mm512_set1_epi16(127), byte = _mm512_set1_epi16(0xff);
     const int halves = sums_per_block(qtype);
-    {
-        const uint8_t *blk = panel_block(qtype, w, K, p, j0);
-        __m512i kscale[16];
-        if (HAS_MINS(qtype)) {
-            __m512i sm[2];
-            k4_unpack(blk, 0, sm);
-            for (int i = 0; i < 8; i++) kscale[i] = k4_scale(sm, i);
-        }
-        if (IS_XS(qtype)) iq4_unpack(blk, kscale);
-        if (qtype == QUANT_Q3_K) q3_unpack(blk, kscale);
-        if (qtype == QUANT_Q2_K) q2_unpack(blk, kscale);
-        for (int jj = 0; jj < DECODED_BLOCKS; jj++) {
-            tile_prefetch(qtype, &blk, 1, j0 + jj, stream, none);
+    const uint8_t *blk = panel_block(qtype, w, K, p, j0);
+    __m512i kscale[16];
+    if (HAS_MINS(qtype)) {
+        __m512i sm[2];
+        k4_unpack(blk, 0, sm);
+        for (int i = 0; i < 8; i++) kscale[i] = k4_scale(sm, i);
+    }
+    if (IS_XS(qtype)) iq4_unpack(blk, kscale);
+    if (qtype == QUANT_Q3_K) q3_unpack(blk, kscale);
+    if (qtype == QUANT_Q2_K) q2_unpack(blk, kscale);
+    for (int jj = 0; jj < DECODED_BLOCKS; jj++) {
+        tile_prefetch(qtype, &blk, 1, j0 + jj, stream, none);
 #pragma GCC unroll 8
-            for (int g = 0; g < 8; g++) {
-                const int hf = g * halves / 8;
-                const __m512i sc = HAS_KSCALE(qtype) ? kscale[IS_LOW2(qtype) ? 2 * jj + hf : jj]
-                                   : _mm512_cvtepi8_epi32(
-                                         _mm_loadu_si128((const __m128i *)q6_scales(blk, j0 + jj, hf)));
-                const __m512i sc16 = _mm512_or_si512(_mm512_and_si512(sc, _mm512_set1_epi32(0xffff)),
-                                                     _mm512_slli_epi32(sc, 16));
-                const __m512i c = _mm512_sub_epi8(codes(qtype, blk, jj, g, 0), off);
-                const __m512i even = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(c, 8), 8), sc16);
-                const __m512i odd = _mm512_mullo_epi16(_mm512_srai_epi16(c, 8), sc16);
-                const __m512i lo = _mm512_or_si512(_mm512_and_si512(even, low7),
-                                                   _mm512_slli_epi16(_mm512_and_si512(odd, low7), 8));
-                const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(even, 7), byte),
-                                                   _mm512_slli_epi16(_mm512_srai_epi16(odd, 7), 8));
-                _mm512_store_si512(dec + AMX_PLANE_AT(0, 0, jj, g), lo);
-                _mm512_store_si512(dec + AMX_PLANE_AT(0, 1, jj, g), hi);
-            }
+        for (int g = 0; g < 8; g++) {
+            const int hf = g * halves / 8;
+            const __m512i sc = HAS_KSCALE(qtype) ? kscale[IS_LOW2(qtype) ? 2 * jj + hf : jj]
+                               : _mm512_cvtepi8_epi32(
+                                     _mm_loadu_si128((const __m128i *)q6_scales(blk, j0 + jj, hf)));
+            const __m512i sc16 = _mm512_or_si512(_mm512_and_si512(sc, _mm512_set1_epi32(0xffff)),
+                                                 _mm512_slli_epi32(sc, 16));
+            const __m512i c = _mm512_sub_epi8(codes(qtype, blk, jj, g, 0), off);
+            const __m512i even = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(c, 8), 8), sc16);
+            const __m512i odd = _mm512_mullo_epi16(_mm512_srai_epi16(c, 8), sc16);
+            const __m512i lo = _mm512_or_si512(_mm512_and_si512(even, low7),
+                                               _mm512_slli_epi16(_mm512_and_si512(odd, low7), 8));
+            const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(even, 7), byte),
+                                               _mm512_slli_epi16(_mm512_srai_epi16(odd, 7), 8));
+            _mm512_store_si512(dec + AMX_PLANE_AT(0, 0, jj, g), lo);
+            _mm512_store_si512(dec + AMX_PLANE_AT(0, 1, jj, g), hi);
         }
     }
 }
