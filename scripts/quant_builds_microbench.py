@@ -62,12 +62,12 @@ def builds(tmp: Path, baseline: str | None, variants: list[str]) -> dict[str, ct
     if baseline:
         old = tmp / "old"
         old.mkdir()
-        for name in ("gemm_quant.c", "cobatch_kernels.h", "parallel.h"):
+        for name in ("gemm_quant.c", "cobatch_kernels.h", "parallel.h", "amx.h"):
             shown = subprocess.run(["git", "show", f"{baseline}:cobatch/kernels/csrc/{name}"], cwd=ROOT,
                                    capture_output=True, text=True)
             if shown.returncode == 0:
                 (old / name).write_text(shown.stdout)
-            elif name != "parallel.h":  # the one file a baseline may lack (before 3684822)
+            elif name not in ("parallel.h", "amx.h"):  # the headers a baseline may lack (before 3684822, 74e5c26)
                 raise SystemExit(f"{baseline} has no {name}: {shown.stderr.strip()}")
         libs[f"at {baseline}"] = build(old / "gemm_quant.c", old, (), tmp / "old.so")
     return libs
