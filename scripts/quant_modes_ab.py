@@ -8,8 +8,8 @@ runner has already chosen each mode at load (kernels/quant_linear.py, tune_singl
 tune_wide_tiles: logged at INFO); this times `--batch` requests (default: 1 for single-stream mode and
 its prefetch, 16 for wide tiles and AMX; 32 prompt tokens each, greedy, ignore EOS) with the mode off, then on,
 per round, and prints the best of the rounds of each and their ratio (docs/BENCHMARKS.md, Quantized
-weights). single-prefetch: single-stream mode on, its software prefetch off, then on. amx: the K-quants'
-16-row groups on the VNNI tiles, then on AMX-INT8 (gemm_quant_set_amx). One thread.
+weights). single-prefetch: single-stream mode on, its software prefetch off, then on. amx: the 16-row groups
+of the K-quants, Q4_0, Q5_0 and IQ4_NL on the VNNI tiles, then on AMX-INT8 (gemm_quant_set_amx). One thread.
 """
 from __future__ import annotations
 

@@ -153,16 +153,16 @@ def test_wide_tiles_change_no_bits(fmt: str) -> None:
     _check(want, x, dense, fmt)
 
 
-@pytest.mark.parametrize("fmt", sorted(f for f in FORMATS if FORMATS[f].block_size == 256))  # the K-quants
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_amx_changes_no_bits(fmt: str) -> None:
-    """The K-quants' 16-row groups on AMX's tile unit (where the CPU has it: tasks of 32 rows or more, 48 for
-    Q4_K and Q5_K) give the VNNI tiles' bits, with a rest of rows after the groups, over several 256-blocks, on
-    1 and 2 threads; a row's bits stay those it has alone."""
+    """16-row groups on AMX's tile unit (where the CPU has it, from 32, 48 or 128 rows by format; never for Q4_1
+    and Q5_1) give the VNNI tiles' bits, with a rest of rows after the groups, over several blocks (the 32-weight
+    formats' last 8 of them cut short), on 1 and 2 threads; a row's bits stay those it has alone."""
     kernel = native_quant_gemm()
     if not kernel.set_amx(True):
         pytest.skip("no AMX-INT8 tile unit here (CPU, kernel permission or build path)")
-    packed, dense = _weight(fmt, 80, 768)
-    x = torch.randn(70, 768)
+    packed, dense = _weight(fmt, 80, 768 if FORMATS[fmt].block_size == 256 else 832)
+    x = torch.randn(150, dense.shape[1])
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
@@ -170,7 +170,7 @@ def test_amx_changes_no_bits(fmt: str) -> None:
             kernel.set_amx(False)
             want = kernel(x, packed)
             kernel.set_amx(True)
-            for m in (16, 32, 37, 48, 70):
+            for m in (16, 32, 37, 48, 70, 128, 150):
                 assert torch.equal(kernel(x[:m], packed), want[:m])
             assert torch.equal(kernel(x[40:41], packed), want[40:41])
     finally:

@@ -130,8 +130,9 @@ class QuantGemm:
         self._set_mode("gemm_quant_set_wide_tiles", None, on)
 
     def set_amx(self, on: bool) -> bool:
-        """The K-quants' 16-row groups on AMX's tile unit (on, the default where the CPU has AMX-INT8 and Linux
-        grants it) or on the VNNI tiles (off: A/B runs, tests); the bits are the same. Whether AMX is in use."""
+        """16-row groups of the K-quants, Q4_0, Q5_0 and IQ4_NL on AMX's tile unit (on, the default where the CPU
+        has AMX-INT8 and Linux grants it) or on the VNNI tiles (off: A/B runs, tests); the bits are the same.
+        Whether AMX is in use."""
         return bool(self._lib.gemm_quant_set_amx(int(on)))
 
     def copy_modes_to(self, lib: ctypes.CDLL) -> None:

@@ -90,8 +90,9 @@
  * panels at a time are decoded into a 12 KB buffer in L1, then every micro-tile takes them from it, where
  * each would otherwise decode them again. Decoding a task's whole panels at once ran slower (twice the bytes
  * from L2 a code vector: a Zen 4, 2048 x 8192 at 16 rows, Q4_0 0.85x, Q4_K 0.67x). Where the CPU has AMX-INT8,
- * a K-quant task of 32 or 48 rows or more (AMX_MIN_ROWS) takes its full 16-row groups' integer sums from the
- * tile unit instead, a 256-block at a time (amx_k_tiles).
+ * a task of 32 or 48 rows or more (amx_min_rows) takes its full 16-row groups' integer sums from the tile unit
+ * instead: a K-quant's a 256-block at a time (amx_k_tiles), Q4_0's, Q5_0's and IQ4_NL's a 32-block at a time
+ * (amx_q_tiles).
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
  * row's result does not depend on M, the tiling or the thread count. Q6_K's two half sums are multiplied by
@@ -245,7 +246,11 @@ typedef struct {
     int16_t *s;
     int16_t *s16;
     int64_t K, span;
+    int8_t *qt;  /* AMX's 32-weight formats (amx_q_tiles), or NULL: q again, 16-row group by 32-block (AMX_TILE_AT) */
 } QuantRows;
+
+/* Where row m's 32-block j starts in x->qt: each 16-row group's 32-block is one tile of 512 contiguous bytes. */
+#define AMX_TILE_AT(x, m, j) (((m) / 16 * ((x)->K / QB) + (j)) * 512 + (m) % 16 * QB)
 
 /* Where the scale of row `row`'s 32-block j is in x->d: a macro, so that the kernels' span is a literal
  * (a shift, not a 64-bit division in the epilogue of every block). */
@@ -327,6 +332,12 @@ static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) 
         for (int64_t k = 0; k < r->span; k += QB) quantize_block(x, is_bf16, at + k, id, r);
         r->d[at / r->span] = d;
     }
+}
+
+/* Row m of x's codes again in qt (AMX_TILE_AT) where the call has it (amx_q_tiles): the rows of full 16-row groups. */
+static void tile_row(QuantRows *r, int64_t m, int64_t M) {
+    if (r->qt == NULL || m >= M / 16 * 16) return;
+    for (int64_t j = 0; j < r->K / QB; j++) memcpy(r->qt + AMX_TILE_AT(r, m, j), r->q + m * r->K + j * QB, QB);
 }
 
 /* ----------------------------------------------------------------------------- per-block scales */
@@ -1426,12 +1437,22 @@ static void decoded_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t num
  * tile's sums reach the vector registers only through memory, and loads wait for a pending tile store, so a
  * store per sub-block (its scale applied after it) left the unit idle: 8 stores a 256-block against 2 here. */
 #define AMX_ROWS 16
-/* Rows a task needs to take the tile unit: below them the planes' decode, which fewer groups share, costs more
- * than the VNNI tiles' sums. One thread, 8192 x 2048 out of cache, an AMX Xeon (docs/BENCHMARKS.md, Quantized
- * weights): at 16 rows Q6_K ran 0.88x, Q3_K 1.07x, Q2_K 1.00x; at 32 Q6_K 1.07-1.10x, IQ4_XS 1.17x, Q3_K 1.33x,
- * Q2_K 1.27x, but Q4_K 0.97-1.00x and Q5_K 0.89-0.96x (their VNNI codes are one AND away); at 48 Q4_K 1.21x, Q5_K
- * 1.03x; at 128 every K-quant 1.53-2.32x. */
-#define AMX_MIN_ROWS(qtype) (HAS_MINS(qtype) ? 3 * AMX_ROWS : 2 * AMX_ROWS)
+/* Rows a task needs to take the tile unit (0: never). The K-quants: below them the planes' decode, which fewer
+ * groups share, costs more than the VNNI tiles' sums. One thread, 8192 x 2048 out of cache, an AMX Xeon
+ * (docs/BENCHMARKS.md, Quantized weights): at 16 rows Q6_K ran 0.88x, Q3_K 1.07x, Q2_K 1.00x; at 32 Q6_K
+ * 1.07-1.10x, IQ4_XS 1.17x, Q3_K 1.33x, Q2_K 1.27x, but Q4_K 0.97-1.00x and Q5_K 0.89-0.96x (their VNNI codes
+ * are one AND away); at 48 Q4_K 1.21x, Q5_K 1.03x; at 128 every K-quant 1.53-2.32x. The 32-weight formats
+ * (amx_q_tiles), whose every 32-block's sums are stored and scaled: at 16 rows Q4_0 0.92x, Q5_0 0.87x, IQ4_NL
+ * 0.91x; at 48 1.01-1.12x; at 128 Q4_0 1.26-1.33x, Q5_0 1.24-1.26x, IQ4_NL 1.02-1.22x. Never Q8_0 (its VNNI codes
+ * need no decode: at 48 0.88-0.95x, at 128 0.86x and 1.13x in two runs), Q4_1 and Q5_1 (a min's FMA a block
+ * more: 0.77-0.99x up to 128). */
+static inline int64_t amx_min_rows(int qtype) {
+#ifdef AMX_MIN_ROWS_ALL  /* one threshold for every format: A/B runs of builds (quant_builds_microbench --variant) */
+    return AMX_MIN_ROWS_ALL;
+#endif
+    if (HAS_BLOCK_MIN(qtype) || qtype == QUANT_Q8_0) return 0;
+    return HAS_MINS(qtype) || !IS_K_QUANT(qtype) ? 3 * AMX_ROWS : 2 * AMX_ROWS;
+}
 #define AMX_PLANE_AT(z, plane, jj, g) ((((int64_t)(z) * 2 + (plane)) * DECODED_BLOCKS + (jj)) * 512 + 64 * (g))
 
 static int quant_amx = 1; /* the tile unit where the CPU has it and Linux grants it (0: off, for A/B runs) */
@@ -1559,12 +1580,148 @@ INLINE void amx_k_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t group
     _tile_release();
 }
 
-/* Each K-quant's amx_k_tiles (a copy per format: qtype a literal in the decode and the epilogue). */
+/* The formats with one fp16 scale per 32-block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) on AMX-INT8: their scale
+ * cannot go into the codes, so each 32-block's 16 x 16 sums leave the tile unit on their own. tdpbssd multiplies
+ * x's 16 rows (A: 32 K a row) by a 32-block of a panel decoded as signed codes c - o (B: 8 lines of 4 K of the
+ * 16 outputs): sum((c - o) q) is block_half's integer sum exactly, so q_blocks' epilogue, run on the stored sums
+ * in K order, gives a row the VNNI tiles' bits. An item is AMX_Q_BLOCKS 32-blocks of a (panel, group), its sums
+ * in tiles 4..7 and stored together; its products overlap the last item's epilogue as in amx_k_tiles. */
+#define AMX_Q_BLOCKS 4
+
+/* Tiles 0, 1: A (16 rows of 32 K); 2, 3: B (a 32-block's 8 lines); 4..7: an item's sums, a 32-block each. */
+static const TileConfig AMX_Q_TILES = {.palette = 1, .colsb = {32, 32, 64, 64, 64, 64, 64, 64},
+                                       .rows = {AMX_ROWS, AMX_ROWS, 8, 8, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS}};
+
+/* `count` 32-blocks from j0 of panel p as signed codes c - o (DECODED_AT's of z 0), prefetched `stream` ahead. */
+INLINE void amx_q_decode(int qtype, const uint8_t *w, int64_t K, int64_t p, int64_t j0, int count, uint8_t *dec,
+                         int stream) {
+    const Ahead none = {NULL, 0, 0};
+    const __m512i off = _mm512_set1_epi8((char)(int)code_offset(qtype));
+    for (int jj = 0; jj < count; jj++) {
+        const uint8_t *blk = panel_block(qtype, w, K, p, j0 + jj);
+        tile_prefetch(qtype, &blk, 1, j0 + jj, stream, none);
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++)
+            _mm512_store_si512(dec + DECODED_AT(0, jj, g), _mm512_sub_epi8(codes(qtype, blk, jj, g, 0), off));
+    }
+}
+
+/* 32-block j + b's product into sum tile c, A and B in tiles a and 2 + a (a = b % 2: a step's loads need not wait
+ * for the last step's product; literals, as gcc's tile intrinsics paste them into the instruction). */
+#define AMX_Q_STEP(b, a, a2, c)                                                                                \
+    if ((b) < count) {                                                                                         \
+        _tile_loadd(a, x->qt + AMX_TILE_AT(x, m0, j + (b)), QB);                                               \
+        _tile_loadd(a2, dec + DECODED_AT(0, (b), 0), 64);                                                      \
+        _tile_zero(c);                                                                                         \
+        _tile_dpbssd(c, a, a2);                                                                                \
+    }
+
+/* The products of `count` (<= AMX_Q_BLOCKS) 32-blocks from j for rows m0 .. m0 + 16, codes from dec (the first's). */
+INLINE void amx_q_products(const QuantRows *x, int64_t m0, int64_t K, int64_t j, int count, const uint8_t *dec) {
+    AMX_Q_STEP(0, 0, 2, 4)
+    AMX_Q_STEP(1, 1, 3, 5)
+    AMX_Q_STEP(2, 0, 2, 6)
+    AMX_Q_STEP(3, 1, 3, 7)
+}
+
+INLINE void amx_q_store(int count, int32_t sums[AMX_Q_BLOCKS][AMX_ROWS][NR]) {
+    _tile_stored(4, sums[0], 64);
+    if (count > 1) _tile_stored(5, sums[1], 64);
+    if (count > 2) _tile_stored(6, sums[2], 64);
+    if (count > 3) _tile_stored(7, sums[3], 64);
+}
+
+/* The stored sums of `count` 32-blocks from j of panel p, rows m0 .. m0 + 16, into out's rows: q_blocks'
+ * arithmetic, block by block. The 16 rows' results stay in registers through the blocks, so that the rows'
+ * chains of FMAs interleave (a row at a time, through all its blocks, each chain was waited on alone). */
+INLINE void amx_q_epilogue(int qtype, const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p,
+                           int64_t j, int count, float *out, int64_t ldo, int32_t sums[AMX_Q_BLOCKS][AMX_ROWS][NR]) {
+    const int64_t nb = K / QB;
+    const float *dx = x->d + X_SCALE_AT(qtype, x, m0, j);  /* row m's at m nb (a scale per 32-block) */
+    const int16_t *xs = x->s + m0 * nb + j;
+    __m512 y[AMX_ROWS];
+#pragma GCC unroll 16
+    for (int m = 0; m < AMX_ROWS; m++) y[m] = _mm512_loadu_ps(out + m * ldo);
+#pragma GCC unroll 4
+    for (int b = 0; b < count; b++) {
+        const uint8_t *blk = panel_block(qtype, w, K, p, j + b);
+        const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 mn = HAS_BLOCK_MIN(qtype) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                                               : _mm512_setzero_ps();  /* Q4_1's, Q5_1's mins */
+#pragma GCC unroll 16
+        for (int m = 0; m < AMX_ROWS; m++) {
+            const float dx1 = dx[m * nb + b];
+            y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[b][m])),
+                                   _mm512_mul_ps(a, _mm512_set1_ps(dx1)), y[m]);
+            if (HAS_BLOCK_MIN(qtype)) y[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dx1 * (float)xs[m * nb + b]), y[m]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < AMX_ROWS; m++) _mm512_storeu_ps(out + m * ldo, y[m]);
+}
+
+/* An item of amx_q_tiles: `count` 32-blocks from j of a panel z and a group g, their sums. */
+typedef struct {
+    _Alignas(64) int32_t sums[AMX_Q_BLOCKS][AMX_ROWS][NR];
+    int64_t j, g;
+    int z, count;
+} AmxItem;
+
+INLINE void amx_q_finish(int qtype, const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p0,
+                         float *out, int64_t ldo, AmxItem *it) {
+    amx_q_epilogue(qtype, x, m0 + it->g * AMX_ROWS, w, K, p0 + it->z, it->j, it->count,
+                   out + it->g * AMX_ROWS * ldo + it->z * NR, ldo, it->sums);
+}
+
+/* A 32-weight format's groups of 16 rows from row m0 against panels p0 .. p0 + nz, DECODED_BLOCKS 32-blocks at
+ * a time, each panel's decoded once for all groups; `next` as amx_k_tiles'. Items (32-blocks, panel, group) in
+ * each row's K order, pipelined as amx_k_tiles'. */
+INLINE void amx_q_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,
+                        int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
+                        int prefetch) {
+    static _Thread_local uint8_t dec[NZ * DECODED_BYTES] __attribute__((aligned(64)));
+    const int64_t nb = K / QB, chunks = (nb + DECODED_BLOCKS - 1) / DECODED_BLOCKS;
+    const int64_t slice = next == NULL || !prefetch ? 0 : (next_bytes / chunks + 63) / 64 * 64;
+    for (int64_t m = 0; m < groups * AMX_ROWS; m++)
+        for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + m * ldo + z * NR, _mm512_setzero_ps());
+    _tile_loadconfig(&AMX_Q_TILES);
+    amx_q_decode(qtype, w, K, p0, 0, (int)(nb < DECODED_BLOCKS ? nb : DECODED_BLOCKS), dec, prefetch);
+    AmxItem items[2];  /* the last item and this one, by n % 2 */
+    int64_t n = 0;
+    for (int64_t j0 = 0; j0 < nb; j0 += DECODED_BLOCKS) {
+        for (int64_t b = 0; b < slice; b += 64)
+            _mm_prefetch((const char *)next + j0 / DECODED_BLOCKS * slice + b, _MM_HINT_T2);
+        const int in_chunk = (int)(nb - j0 < DECODED_BLOCKS ? nb - j0 : DECODED_BLOCKS);
+        const int64_t j1 = j0 + DECODED_BLOCKS;
+        for (int z = 0; z < nz; z++)
+            for (int64_t g = 0; g < groups; g++)
+                for (int jj = 0; jj < in_chunk; jj += AMX_Q_BLOCKS) {
+                    const int count = in_chunk - jj < AMX_Q_BLOCKS ? in_chunk - jj : AMX_Q_BLOCKS;
+                    amx_q_products(x, m0 + g * AMX_ROWS, K, j0 + jj, count, dec + DECODED_AT(z, jj, 0));
+                    const int last = g == groups - 1 && jj + count == in_chunk;
+                    if (last && z + 1 < nz)  /* (the tiles loaded before these stores: x86 keeps that order) */
+                        amx_q_decode(qtype, w, K, p0 + z + 1, j0, in_chunk, dec + DECODED_AT(z + 1, 0, 0), prefetch);
+                    else if (last && j1 < nb)
+                        amx_q_decode(qtype, w, K, p0, j1, (int)(nb - j1 < DECODED_BLOCKS ? nb - j1 : DECODED_BLOCKS),
+                                     dec, prefetch);
+                    if (n > 0) amx_q_finish(qtype, x, m0, w, K, p0, out, ldo, &items[(n - 1) % 2]);
+                    AmxItem *it = &items[n % 2];
+                    it->j = j0 + jj, it->z = z, it->g = g, it->count = count;
+                    amx_q_store(count, it->sums);
+                    n++;
+                }
+    }
+    amx_q_finish(qtype, x, m0, w, K, p0, out, ldo, &items[(n - 1) % 2]);
+    _tile_release();
+}
+
+/* Each format's amx_k_tiles or amx_q_tiles (a copy per format: qtype a literal in the decode and the epilogue). */
 #define AMX_FN(NAME, QT)                                                                                     \
     static void NAME##_amx(const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,      \
                            int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes, \
                            int prefetch) {                                                                   \
         if (IS_K_QUANT(QT)) amx_k_tiles(QT, x, m0, groups, w, K, p0, nz, out, ldo, next, next_bytes, prefetch); \
+        else amx_q_tiles(QT, x, m0, groups, w, K, p0, nz, out, ldo, next, next_bytes, prefetch);              \
     }
 QUANT_FORMATS(AMX_FN)
 #define AMX_ENTRY(NAME, QT) [QT] = NAME##_amx,
@@ -1580,7 +1737,7 @@ static void amx_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t groups,
 int gemm_quant_set_amx(int on) { (void)on; return 0; }
 static int amx_in_use(void) { return 0; }
 #define AMX_ROWS 16
-#define AMX_MIN_ROWS(qtype) AMX_ROWS
+static inline int64_t amx_min_rows(int qtype) { (void)qtype; return 0; }
 static void amx_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,
                       int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
                       int prefetch) {
@@ -1593,7 +1750,7 @@ static void amx_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t groups,
 static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, const uint8_t *w, int64_t K,
                       int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
                       int prefetch) {
-    if (IS_K_QUANT(qtype) && rows >= AMX_MIN_ROWS(qtype) && amx_in_use()) {  /* 16-row groups on AMX, then the rest */
+    if (amx_min_rows(qtype) > 0 && rows >= amx_min_rows(qtype) && amx_in_use()) {  /* 16-row groups on AMX, then rest */
         const int64_t done = rows / AMX_ROWS * AMX_ROWS;
         amx_tiles(qtype, x, m0, rows / AMX_ROWS, w, K, p0, nz, out, ldo, next, next_bytes, prefetch);
         m0 += done, rows -= done, out += done * ldo, next = NULL;
@@ -1621,6 +1778,9 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 #if !QUANT_VNNI
 void gemm_quant_set_wide_tiles(int on) { (void)on; }  /* the VNNI path's modes; the others have one tile */
 int gemm_quant_set_amx(int on) { (void)on; return 0; }
+static int amx_in_use(void) { return 0; }
+#define AMX_ROWS 16
+static inline int64_t amx_min_rows(int qtype) { (void)qtype; return 0; }
 /* and prefetch nothing in single-stream mode */
 void gemm_quant_set_single_prefetch_for(int qtype, int level) { (void)qtype, (void)level; }
 
@@ -1686,18 +1846,21 @@ static void quant_call_run(QuantCall *c) {
     const int qtype = c->qtype, is_bf16 = c->is_bf16, gz = c->gz;
     const int64_t M = c->M, N = c->N, K = c->K, panels = c->panels, groups = c->groups, chunks = c->chunks;
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row(c->x, is_bf16, m, &c->r);
+    for (int64_t m = 0; m < M; m++) {
+        quantize_row(c->x, is_bf16, m, &c->r);
+        tile_row(&c->r, m, M);
+    }
     float tmp[MC * NZ * NR];
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < c->tasks; task++) {
         const int64_t g = task / chunks, m0 = task % chunks * MC, rows = M - m0 < MC ? M - m0 : MC;
         const int nz = (int)(panels - g * gz < gz ? panels - g * gz : gz);
         void *y0 = (char *)c->y + (is_bf16 ? 2 : 4) * (size_t)(m0 * N);
-        float *out = is_bf16 ? tmp : (float *)y0 + g * gz * NR;
         /* this thread's next task (static order): the next group, once this is the last chunk */
         const int64_t nz_next = g + 1 < groups ? (panels - (g + 1) * gz < gz ? panels - (g + 1) * gz : gz) : 0;
         const int is_last_chunk = m0 + MC >= M;
         const uint8_t *next = is_last_chunk && nz_next ? panel_block(qtype, c->wq, K, (g + 1) * gz, 0) : NULL;
+        float *out = is_bf16 ? tmp : (float *)y0 + g * gz * NR;
         tile_rows(qtype, &c->r, m0, rows, c->wq, K, g * gz, nz, out, is_bf16 ? nz * NR : N, next,
                   nz_next * (K / BLOCK_K[qtype]) * PANEL_BYTES[qtype], prefetch_blocks(qtype, c->single));
         if (is_bf16 || c->bias != NULL) finish_rows(tmp, rows, nz * NR, c->bias, y0, N, g * gz * NR, is_bf16);
@@ -1712,9 +1875,11 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
     const int64_t span = IS_K_QUANT(qtype) ? KB : QB;  /* x's scale per span values (QuantRows) */
     QuantRows r = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * K / span)),
                    malloc(sizeof(int16_t) * (size_t)(M * K / QB)), malloc(sizeof(int16_t) * (size_t)(M * K / 16)), K,
-                   span};
-    if (r.q == NULL || r.d == NULL || r.s == NULL || r.s16 == NULL) {
-        free(r.q), free(r.d), free(r.s), free(r.s16);
+                   span, NULL};
+    const int amx_q = !IS_K_QUANT(qtype) && amx_min_rows(qtype) > 0 && M >= amx_min_rows(qtype) && amx_in_use();
+    if (amx_q) r.qt = malloc((size_t)(M * K));
+    if (r.q == NULL || r.d == NULL || r.s == NULL || r.s16 == NULL || (amx_q && r.qt == NULL)) {
+        free(r.q), free(r.d), free(r.s), free(r.s16), free(r.qt);
         return -1;
     }
     /* a group: the panels of one task (one in single-stream mode) */
@@ -1722,7 +1887,7 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
     const int64_t panels = N / NR, groups = (panels + gz - 1) / gz, chunks = (M + MC - 1) / MC;
     QuantCall call = {x, bias, wq, y, qtype, is_bf16, single, gz, M, N, K, panels, groups, chunks, groups * chunks, r};
     RUN_TEAM(team_size(num_threads, call.tasks), quant_call_run(&call));
-    free(r.q), free(r.d), free(r.s), free(r.s16);
+    free(r.q), free(r.d), free(r.s), free(r.s16), free(r.qt);
     return 0;
 }
 
