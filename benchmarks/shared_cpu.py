@@ -1,7 +1,8 @@
 """`python -m benchmarks.shared_cpu`: served tokens/s on an idle CPU and beside a busy neighbour, in one run.
 
-Each setup is one `cobatch serve` process (the default model), all up at once (idle servers take no
-CPU), measured in turn so they share the machine's noise. Against each, alternating in one run:
+Each setup is one `cobatch serve` process (the default model, or --model's GGUF file / HF folder), all up
+at once (idle servers take no CPU), measured in turn so they share the machine's noise. Against each,
+alternating in one run:
 
     single   one stream: --num-single requests one after another (concurrency 1)
     batch    --batch-size requests at once (all decoding together)
@@ -12,7 +13,7 @@ another tenant, the client itself). Ratio = busy tok/s / idle tok/s of the same 
 repeat; the load average before each measurement is recorded with it (the machine is shared). The
 client is `cobatch bench serve`'s, in this process. Results: docs/bench/shared_cpu.json + a plot.
 
-    .venv/bin/python -m benchmarks.shared_cpu [--repeats 3] [--setups fixed,adaptive]
+    .venv/bin/python -m benchmarks.shared_cpu [--repeats 3] [--setups fixed,adaptive] [--model PATH]
 """
 
 from __future__ import annotations
@@ -83,13 +84,13 @@ class ServerLog:
 
 
 @contextmanager
-def server(setup: Setup, log_dir: Path) -> Iterator[ServerLog]:
-    """`cobatch serve` (the default model) on a free port for the block, logging at info."""
+def server(setup: Setup, log_dir: Path, model: str | None) -> Iterator[ServerLog]:
+    """`cobatch serve` (`model`, or the default model) on a free port for the block, logging at info."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     log_path = log_dir / f"shared_cpu-{setup.name}.log"
     cmd = [sys.executable, "-m", "cobatch.cli", "serve", "--port", str(port), "--log-level", "info",
-           *_COMMON_FLAGS, *setup.flags]
+           *_COMMON_FLAGS, *setup.flags, *(("--model", model) if model else ())]
     with running_server(cmd, base_url, log_path, _READY_TIMEOUT_S, dict(setup.env), ROOT) as proc:
         yield ServerLog(base_url, log_path, proc.pid)
 
@@ -182,7 +183,7 @@ def run_all(setups: list[Setup], args: argparse.Namespace, log_dir: Path) -> dic
     each setup in turn, idle then busy: setups compared under the same noise. Medians per setup and load."""
     runs: dict[str, dict[str, list[dict]]] = {s.name: {load: [] for load in loads(args)} for s in setups}
     with ExitStack() as stack:
-        logs = {s.name: stack.enter_context(server(s, log_dir)) for s in setups}
+        logs = {s.name: stack.enter_context(server(s, log_dir, args.model)) for s in setups}
         model = resolve_model(next(iter(logs.values())).base_url, None)
         for log in logs.values():
             for requests, concurrency in loads(args).values():  # warm-up: first steps, allocations
@@ -220,7 +221,7 @@ def _medians(runs: list[dict]) -> dict[str, float]:
             "ratio": statistics.median(r["ratio"] for r in runs)}
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
+def plot(results: dict[str, dict], path: Path, model: str | None) -> None:
     """Idle vs busy tok/s (medians), one group per setup and load, the ratio written above."""
     import matplotlib
 
@@ -241,7 +242,8 @@ def plot(results: dict[str, dict], path: Path) -> None:
         ax.set_title("one stream" if load == "single" else "batch of 16")
         ax.set_ylabel("output tok/s")
         ax.legend()
-    fig.suptitle("cobatch serve on 2 cores, idle vs one busy process beside it")
+    served = Path(model).name if model else "the default model"
+    fig.suptitle(f"cobatch serve ({served}) on 2 cores, idle vs one busy process beside it")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -249,6 +251,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setups", default="fixed,adaptive", help=f"comma list of {', '.join(SETUPS)}")
+    parser.add_argument("--model", help="GGUF file or HF folder to serve (default: the bundled model)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-single", type=int, default=3, help="requests of the one-stream load")
     parser.add_argument("--batch-size", type=int, default=16)
@@ -264,10 +267,10 @@ def main() -> int:
     results = run_all([SETUPS[name] for name in args.setups.split(",")], args, Path(args.log_dir))
     machine = {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
                "date": time.strftime("%Y-%m-%d %H:%M"), "uname": " ".join(os.uname())}
-    settings = {k: getattr(args, k) for k in ("repeats", "num_single", "batch_size", "input_len", "output_len",
-                                              "quiet_wait_s")}
+    settings = {k: getattr(args, k) for k in ("model", "repeats", "num_single", "batch_size", "input_len",
+                                              "output_len", "quiet_wait_s")}
     print(f"wrote {write_json(args.json, {'machine': machine, 'settings': settings, 'setups': results})}")
-    plot(results, Path(args.plot))
+    plot(results, Path(args.plot), args.model)
     print(f"wrote {args.plot}")
     return 0
 
