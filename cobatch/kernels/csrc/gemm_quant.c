@@ -91,8 +91,8 @@
  * each would otherwise decode them again. Decoding a task's whole panels at once ran slower (twice the bytes
  * from L2 a code vector: a Zen 4, 2048 x 8192 at 16 rows, Q4_0 0.85x, Q4_K 0.67x). Where the CPU has AMX-INT8,
  * a task of 32 or 48 rows or more (amx_min_rows) takes its full 16-row groups' integer sums from the tile unit
- * instead: a K-quant's a 256-block at a time (amx_k_tiles), Q4_0's, Q5_0's and IQ4_NL's a 32-block at a time
- * (amx_q_tiles).
+ * instead: a K-quant's a 256-block at a time (amx_k_decode), Q4_0's, Q5_0's and IQ4_NL's a 32-block at a time
+ * (amx_q_decode), through one pipeline (amx_tiles_of).
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
  * row's result does not depend on M, the tiling or the thread count. Q6_K's two half sums are multiplied by
@@ -246,7 +246,7 @@ typedef struct {
     int16_t *s;
     int16_t *s16;
     int64_t K, span;
-    int8_t *qt;  /* AMX's 32-weight formats (amx_q_tiles), or NULL: q again, 16-row group by 32-block (AMX_TILE_AT) */
+    int8_t *qt;  /* AMX's 32-weight formats (amx_q_products), or NULL: q again, 16-row group by 32-block */
 } QuantRows;
 
 /* Where row m's 32-block j starts in x->qt: each 16-row group's 32-block is one tile of 512 contiguous bytes. */
@@ -334,7 +334,7 @@ static void quantize_row(const void *x, int is_bf16, int64_t row, QuantRows *r) 
     }
 }
 
-/* Row m of x's codes again in qt (AMX_TILE_AT) where the call has it (amx_q_tiles): the rows of full 16-row groups. */
+/* Row m of x's codes again in qt (AMX_TILE_AT) where the call has it (amx_q_products): full 16-row groups' rows. */
 static void tile_row(QuantRows *r, int64_t m, int64_t M) {
     if (r->qt == NULL || m >= M / 16 * 16) return;
     for (int64_t j = 0; j < r->K / QB; j++) memcpy(r->qt + AMX_TILE_AT(r, m, j), r->q + m * r->K + j * QB, QB);
@@ -1442,7 +1442,7 @@ static void decoded_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t num
  * (docs/BENCHMARKS.md, Quantized weights): at 16 rows Q6_K ran 0.88x, Q3_K 1.07x, Q2_K 1.00x; at 32 Q6_K
  * 1.07-1.10x, IQ4_XS 1.17x, Q3_K 1.33x, Q2_K 1.27x, but Q4_K 0.97-1.00x and Q5_K 0.89-0.96x (their VNNI codes
  * are one AND away); at 48 Q4_K 1.21x, Q5_K 1.03x; at 128 every K-quant 1.53-2.32x. The 32-weight formats
- * (amx_q_tiles), whose every 32-block's sums are stored and scaled: at 16 rows Q4_0 0.92x, Q5_0 0.87x, IQ4_NL
+ * (amx_q_products), whose every 32-block's sums are stored and scaled: at 16 rows Q4_0 0.92x, Q5_0 0.87x, IQ4_NL
  * 0.91x; at 48 1.01-1.12x; at 128 Q4_0 1.26-1.33x, Q5_0 1.24-1.26x, IQ4_NL 1.02-1.22x. Never Q8_0 (its VNNI codes
  * need no decode: at 48 0.88-0.95x, at 128 0.86x and 1.13x in two runs), Q4_1 and Q5_1 (a min's FMA a block
  * more: 0.77-0.99x up to 128). */
@@ -1540,52 +1540,12 @@ INLINE void amx_k_epilogue(int qtype, const QuantRows *x, int64_t m0, const uint
     k_block_end(qtype, x, m0, AMX_ROWS, &blk0, 1, j0 + KB / QB - 1, ksum, out, ldo);
 }
 
-/* A K-quant's groups of 16 rows from row m0 against panels p0 .. p0 + nz, a 256-block at a time, each panel's
- * decoded once for all groups; `next` (next_bytes), or NULL: the next task's panels, brought into L2 a slice per
- * 256-block. Software-pipelined around the tile store that the epilogue's loads wait for: a (256-block, panel,
- * group) item's products are issued, then (at its panel's last group) the next panel's decode and the previous
- * item's epilogue run on the vector units meanwhile, and only then is this item's sum stored. */
-INLINE void amx_k_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,
-                        int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
-                        int prefetch) {
-    static _Thread_local uint8_t dec[NZ * 2 * DECODED_BYTES] __attribute__((aligned(64)));
-    _Alignas(64) int32_t sums[2][2][AMX_ROWS][NR];  /* an item's two planes' sums, by the item's parity */
-    const int64_t nb = K / QB, blocks = nb / DECODED_BLOCKS;
-    const int64_t slice = next == NULL || !prefetch ? 0 : (next_bytes / blocks + 63) / 64 * 64;
-    for (int64_t m = 0; m < groups * AMX_ROWS; m++)
-        for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + m * ldo + z * NR, _mm512_setzero_ps());
-    _tile_loadconfig(&AMX_QUANT_TILES);
-    amx_k_decode(qtype, w, K, p0, 0, dec, prefetch);
-    int64_t n = 0, pj = 0, pg = 0;  /* items issued; the last one's 32-block, group and panel */
-    int pz = 0;
-    for (int64_t j0 = 0; j0 < nb; j0 += DECODED_BLOCKS) {
-        for (int64_t b = 0; b < slice; b += 64)
-            _mm_prefetch((const char *)next + j0 / DECODED_BLOCKS * slice + b, _MM_HINT_T2);
-        for (int z = 0; z < nz; z++)
-            for (int64_t g = 0; g < groups; g++) {
-                amx_k_products(x, m0 + g * AMX_ROWS, K, j0, dec + AMX_PLANE_AT(z, 0, 0, 0));
-                if (g == groups - 1 && z + 1 < nz)  /* (the tiles loaded before these stores: x86 keeps that order) */
-                    amx_k_decode(qtype, w, K, p0 + z + 1, j0, dec + AMX_PLANE_AT(z + 1, 0, 0, 0), prefetch);
-                else if (g == groups - 1 && j0 + DECODED_BLOCKS < nb)
-                    amx_k_decode(qtype, w, K, p0, j0 + DECODED_BLOCKS, dec, prefetch);
-                if (n > 0)
-                    amx_k_epilogue(qtype, x, m0 + pg * AMX_ROWS, w, K, p0 + pz, pj, out + pg * AMX_ROWS * ldo + pz * NR,
-                                   ldo, sums[(n - 1) % 2]);
-                amx_k_store(sums[n % 2]);
-                pj = j0, pz = z, pg = g, n++;
-            }
-    }
-    amx_k_epilogue(qtype, x, m0 + pg * AMX_ROWS, w, K, p0 + pz, pj, out + pg * AMX_ROWS * ldo + pz * NR, ldo,
-                   sums[(n - 1) % 2]);
-    _tile_release();
-}
-
 /* The formats with one fp16 scale per 32-block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) on AMX-INT8: their scale
  * cannot go into the codes, so each 32-block's 16 x 16 sums leave the tile unit on their own. tdpbssd multiplies
  * x's 16 rows (A: 32 K a row) by a 32-block of a panel decoded as signed codes c - o (B: 8 lines of 4 K of the
  * 16 outputs): sum((c - o) q) is block_half's integer sum exactly, so q_blocks' epilogue, run on the stored sums
  * in K order, gives a row the VNNI tiles' bits. An item is AMX_Q_BLOCKS 32-blocks of a (panel, group), its sums
- * in tiles 4..7 and stored together; its products are issued before the last item's epilogue as in amx_k_tiles,
+ * in tiles 4..7 and stored together; its products are issued before the last item's epilogue (amx_tiles_of),
  * though here the two barely overlap (timed apart, their times add up), which is what caps the gain (1.2-1.3x). */
 #define AMX_Q_BLOCKS 4
 
@@ -1661,32 +1621,59 @@ INLINE void amx_q_epilogue(int qtype, const QuantRows *x, int64_t m0, const uint
     for (int m = 0; m < AMX_ROWS; m++) _mm512_storeu_ps(out + m * ldo, y[m]);
 }
 
-/* An item of amx_q_tiles: `count` 32-blocks from j of a panel z and a group g, their sums. */
+/* An item of amx_tiles_of: `count` 32-blocks from j of a panel z and a group g, their sums (a K-quant's 256-block:
+ * its two planes' in the first two). */
 typedef struct {
     _Alignas(64) int32_t sums[AMX_Q_BLOCKS][AMX_ROWS][NR];
     int64_t j, g;
     int z, count;
 } AmxItem;
 
-INLINE void amx_q_finish(int qtype, const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p0,
-                         float *out, int64_t ldo, AmxItem *it) {
-    amx_q_epilogue(qtype, x, m0 + it->g * AMX_ROWS, w, K, p0 + it->z, it->j, it->count,
-                   out + it->g * AMX_ROWS * ldo + it->z * NR, ldo, it->sums);
+/* Where panel z's codes start in the decode buffer: a K-quant's two planes (amx_k_decode), else signed codes. */
+#define AMX_DEC_AT(qtype, z) (IS_K_QUANT(qtype) ? AMX_PLANE_AT(z, 0, 0, 0) : DECODED_AT(z, 0, 0))
+
+INLINE void amx_decode(int qtype, const uint8_t *w, int64_t K, int64_t p, int64_t j0, int count, uint8_t *dec,
+                       int stream) {
+    if (IS_K_QUANT(qtype)) amx_k_decode(qtype, w, K, p, j0, dec, stream);  /* count: always a 256-block's */
+    else amx_q_decode(qtype, w, K, p, j0, count, dec, stream);
 }
 
-/* A 32-weight format's groups of 16 rows from row m0 against panels p0 .. p0 + nz, DECODED_BLOCKS 32-blocks at
- * a time, each panel's decoded once for all groups; `next` as amx_k_tiles'. Items (32-blocks, panel, group) in
- * each row's K order, pipelined as amx_k_tiles'. */
-INLINE void amx_q_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,
-                        int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
-                        int prefetch) {
-    static _Thread_local uint8_t dec[NZ * DECODED_BYTES] __attribute__((aligned(64)));
+/* An item's products; dec: its panel's codes (AMX_DEC_AT), its first 32-block's. */
+INLINE void amx_products(int qtype, const QuantRows *x, int64_t m0, int64_t K, const AmxItem *it, const uint8_t *dec) {
+    if (IS_K_QUANT(qtype)) amx_k_products(x, m0 + it->g * AMX_ROWS, K, it->j, dec);
+    else amx_q_products(x, m0 + it->g * AMX_ROWS, K, it->j, it->count, dec);
+}
+
+INLINE void amx_store(int qtype, AmxItem *it) {
+    if (IS_K_QUANT(qtype)) amx_k_store(it->sums);
+    else amx_q_store(it->count, it->sums);
+}
+
+/* A stored item into out's rows. */
+INLINE void amx_finish(int qtype, const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p0,
+                       float *out, int64_t ldo, AmxItem *it) {
+    float *o = out + it->g * AMX_ROWS * ldo + it->z * NR;
+    if (IS_K_QUANT(qtype)) amx_k_epilogue(qtype, x, m0 + it->g * AMX_ROWS, w, K, p0 + it->z, it->j, o, ldo, it->sums);
+    else amx_q_epilogue(qtype, x, m0 + it->g * AMX_ROWS, w, K, p0 + it->z, it->j, it->count, o, ldo, it->sums);
+}
+
+/* Groups of 16 rows from row m0 against panels p0 .. p0 + nz, DECODED_BLOCKS 32-blocks (a K-quant's 256-block) at
+ * a time, each panel's decoded once for all groups; `next` (next_bytes), or NULL: the next task's panels, brought
+ * into L2 a slice per 256-block. Items (a K-quant's 256-block, else AMX_Q_BLOCKS 32-blocks, of a panel and group)
+ * in each row's K order, software-pipelined around the tile store that the epilogue's loads wait for: an item's
+ * products are issued, then (at its panel's last item) the next panel's decode and the last item's epilogue run on
+ * the vector units meanwhile, and only then is this item's sum stored. */
+INLINE void amx_tiles_of(int qtype, const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,
+                         int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes,
+                         int prefetch) {
+    static _Thread_local uint8_t dec[NZ * 2 * DECODED_BYTES] __attribute__((aligned(64)));
     const int64_t nb = K / QB, chunks = (nb + DECODED_BLOCKS - 1) / DECODED_BLOCKS;
+    const int step = IS_K_QUANT(qtype) ? DECODED_BLOCKS : AMX_Q_BLOCKS;  /* 32-blocks an item */
     const int64_t slice = next == NULL || !prefetch ? 0 : (next_bytes / chunks + 63) / 64 * 64;
     for (int64_t m = 0; m < groups * AMX_ROWS; m++)
         for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + m * ldo + z * NR, _mm512_setzero_ps());
-    _tile_loadconfig(&AMX_Q_TILES);
-    amx_q_decode(qtype, w, K, p0, 0, (int)(nb < DECODED_BLOCKS ? nb : DECODED_BLOCKS), dec, prefetch);
+    _tile_loadconfig(IS_K_QUANT(qtype) ? &AMX_QUANT_TILES : &AMX_Q_TILES);
+    amx_decode(qtype, w, K, p0, 0, (int)(nb < DECODED_BLOCKS ? nb : DECODED_BLOCKS), dec, prefetch);
     AmxItem items[2];  /* the last item and this one, by n % 2 */
     int64_t n = 0;
     for (int64_t j0 = 0; j0 < nb; j0 += DECODED_BLOCKS) {
@@ -1696,33 +1683,31 @@ INLINE void amx_q_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t group
         const int64_t j1 = j0 + DECODED_BLOCKS;
         for (int z = 0; z < nz; z++)
             for (int64_t g = 0; g < groups; g++)
-                for (int jj = 0; jj < in_chunk; jj += AMX_Q_BLOCKS) {
-                    const int count = in_chunk - jj < AMX_Q_BLOCKS ? in_chunk - jj : AMX_Q_BLOCKS;
-                    amx_q_products(x, m0 + g * AMX_ROWS, K, j0 + jj, count, dec + DECODED_AT(z, jj, 0));
-                    const int last = g == groups - 1 && jj + count == in_chunk;
-                    if (last && z + 1 < nz)  /* (the tiles loaded before these stores: x86 keeps that order) */
-                        amx_q_decode(qtype, w, K, p0 + z + 1, j0, in_chunk, dec + DECODED_AT(z + 1, 0, 0), prefetch);
-                    else if (last && j1 < nb)
-                        amx_q_decode(qtype, w, K, p0, j1, (int)(nb - j1 < DECODED_BLOCKS ? nb - j1 : DECODED_BLOCKS),
-                                     dec, prefetch);
-                    if (n > 0) amx_q_finish(qtype, x, m0, w, K, p0, out, ldo, &items[(n - 1) % 2]);
+                for (int jj = 0; jj < in_chunk; jj += step) {
                     AmxItem *it = &items[n % 2];
-                    it->j = j0 + jj, it->z = z, it->g = g, it->count = count;
-                    amx_q_store(count, it->sums);
+                    it->j = j0 + jj, it->z = z, it->g = g, it->count = in_chunk - jj < step ? in_chunk - jj : step;
+                    amx_products(qtype, x, m0, K, it, dec + AMX_DEC_AT(qtype, z) + jj * 512);
+                    const int last = g == groups - 1 && jj + it->count == in_chunk;
+                    if (last && z + 1 < nz)  /* (the tiles loaded before these stores: x86 keeps that order) */
+                        amx_decode(qtype, w, K, p0 + z + 1, j0, in_chunk, dec + AMX_DEC_AT(qtype, z + 1), prefetch);
+                    else if (last && j1 < nb)
+                        amx_decode(qtype, w, K, p0, j1, (int)(nb - j1 < DECODED_BLOCKS ? nb - j1 : DECODED_BLOCKS),
+                                   dec, prefetch);
+                    if (n > 0) amx_finish(qtype, x, m0, w, K, p0, out, ldo, &items[(n - 1) % 2]);
+                    amx_store(qtype, it);
                     n++;
                 }
     }
-    amx_q_finish(qtype, x, m0, w, K, p0, out, ldo, &items[(n - 1) % 2]);
+    amx_finish(qtype, x, m0, w, K, p0, out, ldo, &items[(n - 1) % 2]);
     _tile_release();
 }
 
-/* Each format's amx_k_tiles or amx_q_tiles (a copy per format: qtype a literal in the decode and the epilogue). */
+/* Each format's amx_tiles_of (a copy per format: qtype a literal in the decode and the epilogue). */
 #define AMX_FN(NAME, QT)                                                                                     \
     static void NAME##_amx(const QuantRows *x, int64_t m0, int64_t groups, const uint8_t *w, int64_t K,      \
                            int64_t p0, int nz, float *out, int64_t ldo, const uint8_t *next, int64_t next_bytes, \
                            int prefetch) {                                                                   \
-        if (IS_K_QUANT(QT)) amx_k_tiles(QT, x, m0, groups, w, K, p0, nz, out, ldo, next, next_bytes, prefetch); \
-        else amx_q_tiles(QT, x, m0, groups, w, K, p0, nz, out, ldo, next, next_bytes, prefetch);              \
+        amx_tiles_of(QT, x, m0, groups, w, K, p0, nz, out, ldo, next, next_bytes, prefetch);                 \
     }
 QUANT_FORMATS(AMX_FN)
 #define AMX_ENTRY(NAME, QT) [QT] = NAME##_amx,
