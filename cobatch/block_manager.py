@@ -111,6 +111,14 @@ class BlockManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         return self._cached_run(request.block_hashes[:max_blocks])
 
+    def find_cached_last_block(self, request: Request, prefix: Sequence[int]) -> int | None:
+        """The cached block that would extend `prefix` (find_cached_prefix's) over all of the request's tokens,
+        where they fill their blocks exactly: a copy of it leaves only the last token to compute (which
+        must be, for its logits), where sharing the prefix alone would recompute that whole block."""
+        if not self.enable_prefix_caching or (len(prefix) + 1) * self.block_size != request.num_tokens:
+            return None
+        return self.cached_blocks.get(request.block_hashes[len(prefix)])
+
     def _cached_run(self, block_hashes: Sequence[int]) -> list[int]:
         """The device blocks of the leading hashes that are cached, up to the first miss."""
         hits: list[int] = []

@@ -68,6 +68,7 @@ class _StepPlan:
     rows: list[ScheduledRow]
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (cached block, the row's own copy of it)
     num_preempted: int = 0
     num_context_tokens: int = 0
     scheduled: set[str] = field(default_factory=set)  # request ids with a row this step
@@ -210,7 +211,7 @@ class Scheduler:
                 waiting_reason = self._schedule_waiting(plan)
         self.waits.end_step(waiting_reason, swapped_reason, len(self.waiting), len(self.swapped))
         return SchedulerOutput(rows=tuple(plan.rows), blocks_to_swap_out=tuple(plan.swap_out),
-                               blocks_to_swap_in=tuple(plan.swap_in),
+                               blocks_to_swap_in=tuple(plan.swap_in), blocks_to_copy=tuple(plan.copies),
                                num_preempted=plan.num_preempted)
 
     def _is_admission_open(self) -> bool:
@@ -415,9 +416,8 @@ class Scheduler:
     def _admit(self, plan: _StepPlan, request: Request) -> str | None:
         """Seat `request` with its first chunk; the reason it cannot be (None: admitted)."""
         bm = self.block_manager
-        # Prompt logprobs need every prompt position's logits: no cache hit until they are all scored.
-        cached = [] if request.needs_prompt_logprobs else bm.find_cached_prefix(request)
-        num_cached = len(cached) * bm.block_size
+        cached, copy_from = self._cache_hit(request)
+        num_cached = request.num_tokens - 1 if copy_from is not None else len(cached) * bm.block_size
         num_new = request.num_tokens - num_cached
         if not self.config.enable_chunked_prefill and num_new > plan.budget:
             return TOKEN_BUDGET
@@ -437,6 +437,8 @@ class Scheduler:
             request.num_computed_tokens = 0
             is_watermark = use_watermark and bm.can_allocate(num_blocks, use_watermark=False)
             return WATERMARK if is_watermark else KV_BLOCKS
+        if copy_from is not None:
+            plan.copies.append((copy_from, bm.block_tables[request.request_id][-1]))
         self.waits.leave(request.wait, RUNNING)
         bm.record_cache_lookup(request.num_tokens - 1, num_cached)
         request.metrics.num_cached_tokens = max(request.metrics.num_cached_tokens, num_cached)
@@ -446,6 +448,18 @@ class Scheduler:
         insort(self.running, request, key=self._order_key)
         self._add_row(plan, request, num_new)
         return None
+
+    def _cache_hit(self, request: Request) -> tuple[list[int], int | None]:
+        """The prefix cache's blocks for a request being seated, and the cached block to copy where its
+        prompt is all there (None: the block of its last token is recomputed).
+
+        The copy needs no block held for it: it runs after the swaps and before the forward, so the source
+        still holds its KV then even if this step reuses it (as this request's own copy, a copy onto itself,
+        or another row's, written by the forward)."""
+        if request.needs_prompt_logprobs:  # they need every prompt position's logits: no hit until scored
+            return [], None
+        cached = self.block_manager.find_cached_prefix(request)
+        return cached, self.block_manager.find_cached_last_block(request, cached)
 
     def _slo_budget(self) -> SloStepBudget | None:
         if self.config.tpot_slo_ms is None or self.step_time_predictor is None:

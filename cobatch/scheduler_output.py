@@ -71,7 +71,8 @@ class ScheduledRow:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    """Everything the runner does in one step: block copies first, then one forward over `rows`."""
+    """Everything the runner does in one step: block copies first (swaps, then device copies), then one
+    forward over `rows`."""
 
     rows: tuple[ScheduledRow, ...]
     # (device block, host block) pairs, copied before this step's forward (their device blocks may be
@@ -79,6 +80,10 @@ class SchedulerOutput:
     blocks_to_swap_out: tuple[tuple[int, int], ...] = ()
     # (host block, device block) pairs, copied in before this step's forward.
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
+    # (device block, device block) pairs, copied after the swaps, before the forward: a prompt found whole in
+    # the prefix cache takes its own copy of the cached block that holds its last token, and computes
+    # only that token (its logits), where sharing the blocks before it would recompute the whole block.
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()
     num_preempted: int = 0
 
     @property
@@ -87,7 +92,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.rows and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+        return not self.rows and not self.blocks_to_swap_out and not self.blocks_to_swap_in and not self.blocks_to_copy
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ class FakeRunner:
         self.host: dict[int, list[tuple[int, int] | None]] = {}  # host block -> its slots
         self.num_steps = 0
         self.script: dict[str, list[int]] = {}  # request id -> tokens to emit instead
+        self.copies: list[tuple[int, int]] = []  # every step's blocks_to_copy, in order
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         self.num_steps += 1
@@ -46,6 +47,14 @@ class FakeRunner:
             for i, value in enumerate(self.host.pop(host)):
                 if value is not None:
                     self.kv[self._slot(device, i)] = value
+        self.copies.extend(output.blocks_to_copy)
+        for src, dst in output.blocks_to_copy:
+            for i in range(self.block_size):
+                value = self.kv.get(self._slot(src, i))
+                if value is not None:
+                    self.kv[self._slot(dst, i)] = value
+                else:
+                    self.kv.pop(self._slot(dst, i), None)
         sampled = []
         for row in output.rows:
             self._write_and_check(row)

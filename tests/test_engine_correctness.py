@@ -86,6 +86,19 @@ def test_prefix_cache_hit_keeps_greedy_output(hf_llama, reference) -> None:
     assert engine.scheduler.block_manager.num_cache_hits > 0
 
 
+def test_a_prompt_found_whole_in_the_cache_keeps_greedy_output(hf_llama) -> None:
+    """28 tokens fill 7 blocks: the second run takes its own copy of the cached 7th block and computes
+    only the last token over it, so the copy must hold what the first run wrote."""
+    runner = runner_for(hf_llama, num_kv_blocks=64, block_size=4)
+    engine = Engine(runner, SchedulerConfig(num_kv_blocks=64, block_size=4, max_model_len=64))
+    aligned = prompts(6, 256)[3][:28]
+    want = hf_greedy(hf_llama, aligned, NEW_TOKENS)
+    assert run_greedy(engine, [aligned], NEW_TOKENS)["r0"] == want
+    first_step = len(engine.stats)
+    assert run_greedy(engine, [aligned], NEW_TOKENS)["r0"] == want
+    assert engine.stats[first_step].num_prefill_tokens == 1
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_shared_prefix_under_preemption_matches_hf(mode: str, hf_llama) -> None:
     """A 3-block prompt prefix shared by 5 requests in a pool that holds 2 of them at full length: a

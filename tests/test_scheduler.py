@@ -242,6 +242,45 @@ def test_prefix_cache_shares_full_prompt_blocks_and_keeps_outputs() -> None:
     assert engine.scheduler.block_manager.prefix_cache_hit_rate > 0
 
 
+def test_a_prompt_found_whole_in_the_cache_computes_only_its_last_token() -> None:
+    engine = make_engine(block_size=4)
+    shared = prompt(0, 12)  # three full blocks
+    engine.add_request("first", shared, params(3))
+    run(engine)
+    bm = engine.scheduler.block_manager
+    out: Deltas = {}
+    engine.add_request("second", shared, params(3))
+    step(engine, out)
+    assert engine.stats[-1].num_prefill_tokens == 1  # 11 tokens from the cache, the last one computed
+    engine.add_request("third", shared, params(3))
+    step(engine, out)
+    assert engine.stats[-1].num_prefill_tokens == 1
+    second, third = bm.block_tables["second"], bm.block_tables["third"]
+    assert second[:2] == third[:2] and second[2] != third[2]  # the first two shared, the last each its own
+    (src1, dst1), (src2, dst2) = engine.runner.copies
+    assert src1 == src2 and (dst1, dst2) == (second[2], third[2]) and src1 not in (dst1, dst2)
+    run(engine, out)  # the fake runner checked every position's KV, the copies' included
+    assert tokens_of(out["second"]) == tokens_of(out["third"]) == expected(shared, 3)
+
+
+def test_the_cached_last_block_may_be_its_own_copy() -> None:
+    """With the pool full but for the cached blocks, the one fresh block is the source itself (the free
+    list's oldest): a copy onto itself, the KV kept."""
+    engine = make_engine(num_kv_blocks=4, block_size=4, max_model_len=16)
+    shared = prompt(1, 12)
+    engine.add_request("first", shared, params(1))
+    run(engine)  # blocks 0, 1, 2 freed last to first: the free list is 3, 2, 1, 0
+    out: Deltas = {}
+    engine.add_request("filler", prompt(2, 2), params(2))
+    step(engine, out)  # takes block 3
+    engine.add_request("second", shared, params(1))
+    step(engine, out)  # 0, 1 shared again; its fresh block is 2, the cached last block
+    assert engine.stats[-1].num_prefill_tokens == 1  # its last token (filler's is a decode row)
+    assert engine.runner.copies == [(2, 2)]
+    run(engine, out)
+    assert tokens_of(out["second"]) == expected(shared, 1)
+
+
 def test_n_samples_share_the_prompt_blocks() -> None:
     engine = make_engine(block_size=4)
     engine.add_request("multi", prompt(0, 13), params(4, n=3))

@@ -1,8 +1,8 @@
 """ModelRunner: owns the model and the paged KV cache; turns a SchedulerOutput into sampled tokens.
 
-One step: swap-out copies, swap-in copies, then one forward over the ragged batch (decode rows first, then
-prefill rows; see models/attention.py) ending in the final norm of the sampled rows only, their lm_head,
-then the sampler.
+One step: swap-out copies, swap-in copies, device block copies, then one forward over the ragged batch (decode
+rows first, then prefill rows; see models/attention.py) ending in the final norm of the sampled rows only, their
+lm_head, then the sampler.
 """
 
 from __future__ import annotations
@@ -130,12 +130,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> RunnerOutput:
-        """Swap out, swap in, one forward over `out.rows`, sample the rows with needs_sample (their
+        """Swap out, swap in, copy blocks, one forward over `out.rows`, sample the rows with needs_sample (their
         logits masked first by `grammar_bitmask`, the constrained rows' structured outputs)."""
         if self.thread_governor is not None:
             self.thread_governor.before_step()  # here: on the thread that runs the step
         copies = {"num_copied_blocks": len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
                   "copy_s": self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)}
+        if out.blocks_to_copy:  # after the swaps: a source may be a block swapped in this step
+            src, dst = _pair_indices(out.blocks_to_copy)
+            self.kv_cache[:, :, dst.to(self.device)] = self.kv_cache[:, :, src.to(self.device)]
         self.last_timings = {"prepare_s": 0.0, "forward_s": 0.0, "lm_head_s": 0.0, "sample_s": 0.0}
         if not out.rows:
             return RunnerOutput((), (), **copies)
