@@ -55,6 +55,12 @@ class BlockManager:
         self.cached_blocks: dict[int, int] = {}  # block hash -> block id
         self.block_hash_of: dict[int, int] = {}  # block id -> block hash
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already registered
+        # A computed prompt's last block where the prompt does not fill it: its leading slots (the prompt's
+        # tail) never change while the block lives (later tokens go after them), so a request with the same
+        # prompt can copy it. Hash of the tail (chained as a full block's) -> block; block -> its tail hashes.
+        self.cached_tails: dict[int, int] = {}
+        self.tail_hashes_of: dict[int, list[int]] = {}
+        self._tail_registered: set[str] = set()  # request ids whose prompt tail is registered
         self.free_swap_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self.swap_tables: dict[str, list[int]] = {}  # request id -> host blocks of its copied blocks
         self.swap_resident: dict[str, int] = {}  # request id -> leading shared blocks left on the device
@@ -112,12 +118,22 @@ class BlockManager:
         return self._cached_run(request.block_hashes[:max_blocks])
 
     def find_cached_last_block(self, request: Request, prefix: Sequence[int]) -> int | None:
-        """The cached block that would extend `prefix` (find_cached_prefix's) over all of the request's tokens,
-        where they fill their blocks exactly: a copy of it leaves only the last token to compute (which
-        must be, for its logits), where sharing the prefix alone would recompute that whole block."""
-        if not self.enable_prefix_caching or (len(prefix) + 1) * self.block_size != request.num_tokens:
+        """The cached block that would extend `prefix` (find_cached_prefix's) over all of the request's tokens:
+        a full block where they fill their blocks exactly, else a computed prompt's last block with the same
+        tail. A copy of it leaves only the last token to compute (which must be, for its logits), where
+        sharing the prefix alone would recompute that whole block."""
+        if not self.enable_prefix_caching:
             return None
-        return self.cached_blocks.get(request.block_hashes[len(prefix)])
+        num_full, tail = divmod(request.num_tokens, self.block_size)
+        if tail == 0:
+            return self.cached_blocks.get(request.block_hashes[num_full - 1]) if len(prefix) == num_full - 1 else None
+        return self.cached_tails.get(self._tail_hash(request, request.num_tokens)) if len(prefix) == num_full else None
+
+    def _tail_hash(self, request: Request, end: int) -> int:
+        """Hash of the request's tokens from its last full block before `end` up to `end`."""
+        num_full = end // self.block_size
+        parent = request.block_hashes[num_full - 1] if num_full else None
+        return hash_block(parent, tuple(request.token_ids[num_full * self.block_size:end]))
 
     def _cached_run(self, block_hashes: Sequence[int]) -> list[int]:
         """The device blocks of the leading hashes that are cached, up to the first miss."""
@@ -148,6 +164,19 @@ class BlockManager:
             self.cached_blocks[block_hash] = block
             self.block_hash_of[block] = block_hash
         self._num_registered[request.request_id] = max(start, num_full)
+        self._cache_prompt_tail(request, table)
+
+    def _cache_prompt_tail(self, request: Request, table: Sequence[int]) -> None:
+        """Register the block that ends the request's prompt, once computed, where the prompt does not fill it."""
+        num_full, tail = divmod(request.num_prompt_tokens, self.block_size)
+        if (tail == 0 or request.num_computed_tokens < request.num_prompt_tokens or len(table) <= num_full
+                or request.request_id in self._tail_registered):
+            return
+        self._tail_registered.add(request.request_id)
+        tail_hash = self._tail_hash(request, request.num_prompt_tokens)
+        if tail_hash not in self.cached_tails:
+            self.cached_tails[tail_hash] = table[num_full]
+            self.tail_hashes_of.setdefault(table[num_full], []).append(tail_hash)
 
     # ---- allocation --------------------------------------------------------------------------
 
@@ -196,6 +225,7 @@ class BlockManager:
         """Release the request's device blocks (cached ones stay revivable until evicted)."""
         table = self.block_tables.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
+        self._tail_registered.discard(request.request_id)
         # Free the tail first so that eviction (from the front) takes the deepest prefix blocks last.
         for block in reversed(table):
             self.ref_counts[block] -= 1
@@ -216,6 +246,8 @@ class BlockManager:
             del self.cached_blocks[block_hash]
             self.num_evictions_total += 1
             self._recent_evictions.append(block_hash)
+        for tail_hash in self.tail_hashes_of.pop(block, ()):
+            del self.cached_tails[tail_hash]
         self.ref_counts[block] = 1
         return block
 
@@ -294,6 +326,8 @@ class BlockManager:
         assert free == set(self.free_blocks), "free list disagrees with ref counts"
         for block_hash, block in self.cached_blocks.items():
             assert self.block_hash_of[block] == block_hash
+        for tail_hash, block in self.cached_tails.items():
+            assert tail_hash in self.tail_hashes_of[block], "a prompt tail's block does not list it"
         host_used = [b for t in self.swap_tables.values() for b in t]
         assert len(host_used) == len(set(host_used)), "a host block is in two swap tables"
         assert len(host_used) + len(self.free_swap_blocks) == self.num_swap_blocks, "host blocks leaked"

@@ -451,7 +451,8 @@ class Scheduler:
 
     def _cache_hit(self, request: Request) -> tuple[list[int], int | None]:
         """The prefix cache's blocks for a request being seated, and the cached block to copy where its
-        prompt is all there (None: the block of its last token is recomputed).
+        tokens are all there (block_manager.find_cached_last_block; None: the block of its last token is
+        recomputed).
 
         The copy needs no block held for it: it runs after the swaps and before the forward, so the source
         still holds its KV then even if this step reuses it (as this request's own copy, a copy onto itself,

@@ -86,16 +86,18 @@ def test_prefix_cache_hit_keeps_greedy_output(hf_llama, reference) -> None:
     assert engine.scheduler.block_manager.num_cache_hits > 0
 
 
-def test_a_prompt_found_whole_in_the_cache_keeps_greedy_output(hf_llama) -> None:
-    """28 tokens fill 7 blocks: the second run takes its own copy of the cached 7th block and computes
-    only the last token over it, so the copy must hold what the first run wrote."""
+@pytest.mark.parametrize("length", [28, 30])
+def test_a_prompt_found_whole_in_the_cache_keeps_greedy_output(length: int, hf_llama) -> None:
+    """28 tokens fill 7 blocks, 30 end 2 into an 8th: the second run takes its own copy of the cached block
+    of the last token (the 7th, or the first run's 8th, which its output tokens filled after the prompt) and
+    computes only that token over it, so the copy must hold what the first run wrote."""
     runner = runner_for(hf_llama, num_kv_blocks=64, block_size=4)
     engine = Engine(runner, SchedulerConfig(num_kv_blocks=64, block_size=4, max_model_len=64))
-    aligned = prompts(6, 256)[3][:28]
-    want = hf_greedy(hf_llama, aligned, NEW_TOKENS)
-    assert run_greedy(engine, [aligned], NEW_TOKENS)["r0"] == want
+    token_prompt = prompts(6, 256)[3][:length]
+    want = hf_greedy(hf_llama, token_prompt, NEW_TOKENS)
+    assert run_greedy(engine, [token_prompt], NEW_TOKENS)["r0"] == want
     first_step = len(engine.stats)
-    assert run_greedy(engine, [aligned], NEW_TOKENS)["r0"] == want
+    assert run_greedy(engine, [token_prompt], NEW_TOKENS)["r0"] == want
     assert engine.stats[first_step].num_prefill_tokens == 1
 
 

@@ -263,6 +263,44 @@ def test_a_prompt_found_whole_in_the_cache_computes_only_its_last_token() -> Non
     assert tokens_of(out["second"]) == tokens_of(out["third"]) == expected(shared, 3)
 
 
+def test_a_prompt_that_ends_inside_a_block_copies_that_block_too() -> None:
+    engine = make_engine(block_size=4)
+    shared = prompt(0, 14)  # three full blocks and a tail of two
+    engine.add_request("first", shared, params(6))  # its tail block then holds 4 of its own tokens after it
+    run(engine)
+    bm = engine.scheduler.block_manager
+    assert len(bm.cached_tails) == 1
+    out: Deltas = {}
+    engine.add_request("other tail", shared[:13] + [99], params(2))  # same full blocks, another tail
+    step(engine, out)
+    assert engine.stats[-1].num_prefill_tokens == 2 and engine.runner.copies == []
+    engine.add_request("second", shared, params(3))
+    step(engine, out)
+    assert engine.stats[-1].num_prefill_tokens == 1  # 13 tokens from the cache, the last one computed
+    (src, dst), = engine.runner.copies
+    assert src in bm.tail_hashes_of and dst == bm.block_tables["second"][3] != src
+    run(engine, out)  # the fake runner checked every position's KV, the copied tail's included
+    assert tokens_of(out["second"]) == expected(shared, 3)
+    assert tokens_of(out["other tail"]) == expected(shared[:13] + [99], 2)
+
+
+def test_a_prompt_tail_leaves_the_cache_with_its_block() -> None:
+    engine = make_engine(num_kv_blocks=8, block_size=4, max_model_len=32)
+    engine.add_request("first", prompt(0, 6), params(1))
+    run(engine)
+    bm = engine.scheduler.block_manager
+    (first_tail,) = bm.cached_tails
+    engine.add_request("big", prompt(5, 29), params(1))  # takes every block: the tail's is reused
+    run(engine)
+    assert first_tail not in bm.cached_tails and len(bm.cached_tails) == 1  # big's own tail only
+    out: Deltas = {}
+    engine.add_request("again", prompt(0, 6), params(2))
+    step(engine, out)
+    assert engine.stats[-1].num_prefill_tokens == 6 and engine.runner.copies == []
+    run(engine, out)
+    assert tokens_of(out["again"]) == expected(prompt(0, 6), 2)
+
+
 def test_the_cached_last_block_may_be_its_own_copy() -> None:
     """With the pool full but for the cached blocks, the one fresh block is the source itself (the free
     list's oldest): a copy onto itself, the KV kept."""
