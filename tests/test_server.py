@@ -102,6 +102,15 @@ def test_completion_usage_counts_tokens(client: openai.OpenAI, http: httpx.Clien
     assert out.usage.completion_tokens == 7 and out.usage.total_tokens == num_prompt + 7
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client: openai.OpenAI) -> None:
+    prompt = [11 + i % 50 for i in range(37)]  # token ids: 37 tokens, ending inside a block
+    first, again = (client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                              extra_body=NO_EOS) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 36  # all but the last, computed for its logits
+    assert again.choices[0].text == first.choices[0].text
+
+
 def test_completion_token_prompt_and_echo(client: openai.OpenAI, http: httpx.Client) -> None:
     ids = http.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
     by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0)

@@ -10,7 +10,7 @@ from cobatch.outputs import RequestDelta
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import TokenLogprobs
 from cobatch.server.engine_client import EngineClient, OutputStream
-from cobatch.server.protocol import Usage
+from cobatch.server.protocol import PromptTokensDetails, Usage
 from cobatch.tokenizer import TextStream, Tokenizer
 
 
@@ -38,6 +38,7 @@ class GenerationTracker:
     num_tokens: list[int] = field(default_factory=list)  # per choice, up to its finish
     # With params.prompt_logprobs: one entry per prompt token (None first), from sample 0's first delta.
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    num_cached_tokens: int = 0  # of the prompt, served from the prefix cache (sample 0's: it reads the prompt first)
 
     def __post_init__(self) -> None:
         self.streams = [TextStream(self.tokenizer, self.params, self.prompt_token_ids)
@@ -48,13 +49,15 @@ class GenerationTracker:
         """Prompt tokens once; completion tokens over all choices, up to each one's stop."""
         completion = sum(self.num_tokens)
         prompt = len(self.prompt_token_ids)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens))
 
     def update(self, delta: RequestDelta) -> ChoiceUpdate | None:
         """The choice update a delta makes; None once the choice has finished (on a stop string)."""
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.metrics is not None and delta.index == 0:
+            self.num_cached_tokens = delta.metrics.num_cached_tokens
         stream = self.streams[delta.index]
         if stream.is_finished:
             return None  # tokens the engine made before our stop reached it: dropped

@@ -149,12 +149,19 @@ class CompletionChoice(_Response):
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
+class PromptTokensDetails(_Response):
+    """OpenAI's usage.prompt_tokens_details: of the prompt tokens, those the prefix cache served."""
+
+    cached_tokens: int
+
+
 class Usage(_Response):
     """Token counts: prompt once, completion summed over the n choices."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionResponse(_Response):

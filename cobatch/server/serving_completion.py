@@ -22,7 +22,7 @@ from cobatch.server.frontdoor import ServingContext, Submission
 from cobatch.server.generation import ChoiceUpdate
 from cobatch.server.multiplex import merged_updates
 from cobatch.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                     CompletionResponse, PromptLogprob, Usage)
+                                     CompletionResponse, PromptLogprob, PromptTokensDetails, Usage)
 from cobatch.server.streaming import (DONE, engine_failure, error_event, run_until_disconnect, sse,
                                       sse_headers)
 
@@ -100,7 +100,9 @@ class _Completion:
         parts = [sub.tracker.usage() for sub in self.subs]
         prompt = sum(u.prompt_tokens for u in parts)
         completion = sum(u.completion_tokens for u in parts)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        cached = sum(u.prompt_tokens_details.cached_tokens for u in parts if u.prompt_tokens_details is not None)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def prompt_logprobs(self, prompt_index: int) -> list[dict[int, PromptLogprob] | None] | None:
         """vLLM's choices[i].prompt_logprobs (the prompt_logprobs extension), else None."""
