@@ -1,7 +1,7 @@
 """models/requantize.py: GGUF matrices of types the kernel does not serve become served blocks, IQ2_XXS,
-IQ1_S, IQ3_XXS, IQ3_S, TQ1_0 and TQ2_0 as IQ4_TAB, IQ2_XS, IQ2_S and IQ1_M as IQ4_TAB16, with the very values
-gguf-py dequantizes them to, the rest (MXFP4 here) as Q8_0; the loader takes that way for them and counts such
-files as served."""
+IQ1_S, IQ3_XXS, IQ3_S, TQ1_0 and TQ2_0 as IQ4_TAB, IQ2_XS, IQ2_S and IQ1_M as IQ4_TAB16, IQ2_XXS as IQ2_GRID
+where the CPU has VBMI, with the very values gguf-py dequantizes them to, the rest (MXFP4 here) as Q8_0; the
+loader takes that way for them and counts such files as served."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from cobatch.kernels.quant_linear import native_quant_gemm
+from cobatch.models import iq2_grid
 from cobatch.models.loader import _gguf_tensor, _mostly_served
 from cobatch.models.quantization import dequantize
 from cobatch.models.requantize import D_LAST, PER_16, TABLES, to_iq4_tab, to_served
@@ -59,12 +61,26 @@ def test_other_types_become_q8_0() -> None:
     assert (error <= block_max * (1 / 254 + 1 / 1024)).all()
 
 
+def test_iq2_xxs_becomes_iq2_grid_exactly() -> None:
+    """IQ2_GRID (the kernel's own grid lookups) holds IQ2_XXS's every value too, at 72 bytes a 256-block: the
+    eighth sign bit each 7 leave out (their parity) written out, the scale in IQ4_XS's fields."""
+    kind = gguf.GGMLQuantizationType.IQ2_XXS
+    data = _random_blocks(kind, 32, 1024, [0.01, -0.37, 0.0, 3.5e-3, 1.0, 3 * 2.0**-24, 1.5e-4])
+    blocks = torch.from_numpy(iq2_grid.from_iq2_xxs(data))
+    assert blocks.shape == (32, 4, 72)
+    assert torch.equal(dequantize(blocks, "iq2_grid"), torch.from_numpy(gguf.quants.dequantize(data, kind)))
+
+
 @pytest.mark.parametrize("kind", GRIDS, ids=lambda t: t.name)
 def test_the_loader_keeps_grid_types_as_iq4_tab_and_counts_them_served(kind: gguf.GGMLQuantizationType) -> None:
+    """IQ2_XXS as IQ2_GRID where the kernel has VBMI's byte lookups, every grid type else as IQ4_TAB(16)."""
     data = _random_blocks(kind, 16, 512, [0.05])
     tensor = SimpleNamespace(data=data, tensor_type=kind, shape=np.array([512, 16]), n_bytes=data.nbytes)
     weight = _gguf_tensor(tensor, torch.float32, keep_blocks=True)
     fmt, size = ("iq4_tab16", 152) if kind in PER_16 else ("iq4_tab", 140)
+    kernel = native_quant_gemm()
+    if kind == gguf.GGMLQuantizationType.IQ2_XXS and kernel is not None and kernel.byte_lookups:
+        fmt, size = "iq2_grid", 72
     assert weight.shape == (16, 2, size)
     assert torch.equal(dequantize(weight, fmt), torch.from_numpy(gguf.quants.dequantize(data, kind)))
     other = SimpleNamespace(shape=[64, 64], n_bytes=data.nbytes // 2, tensor_type=gguf.GGMLQuantizationType.MXFP4)

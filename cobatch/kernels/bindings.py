@@ -89,6 +89,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     # gemm_quant.c: x, wq, qtype, bias, y, M, N, K, is_bf16, threads; blocks, qtype, N, K, out, threads;
     # wq, qtype, ids, n, N, K, out, is_bf16
     "gemm_quant_path": (_INT, []),
+    "gemm_quant_byte_lookups": (_INT, []),
     "gemm_quant_set_single_stream": (None, [_INT]),
     "gemm_quant_set_single_stream_for": (None, [_INT, _INT]),
     "gemm_quant_set_single_prefetch": (None, [_INT]),

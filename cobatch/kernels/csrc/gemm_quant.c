@@ -1,6 +1,6 @@
 /* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 2.6 to 8.5 bits per
- * weight (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ4_TAB, IQ4_TAB16), x fp32 or
- * bf16, fp32 accumulation.
+ * weight (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ4_TAB, IQ4_TAB16,
+ * IQ2_GRID), x fp32 or bf16, fp32 accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
  * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
@@ -34,7 +34,9 @@
  *           i-quants whose grids hold at most 16 values (IQ2_XXS, IQ1_S, IQ3_XXS, IQ3_S:
  *           models/requantize.py) in IQ4_XS's terms, exactly;
  *     IQ4_TAB16: IQ4_TAB's codes and table with Q6_K's d and int8 scale per 16 weights (two integer sums a
- *           32-block, as Q6_K): IQ2_XS, IQ2_S, IQ1_M.
+ *           32-block, as Q6_K): IQ2_XS, IQ2_S, IQ1_M;
+ *     IQ2_GRID: IQ4_TAB's a, o and c (value + 128), the value looked up from IQ2_XXS's own grid index and
+ *           sign bits (iq2_codes): IQ2_XXS at 2.25 bits a weight where the CPU has AVX-512 VBMI.
  *
  * Layout (kernels/quant_linear.py packs it once at load from GGUF's blocks; the same bytes, reordered): the
  * weight is cut into panels of 16 output rows, and each panel into its blocks along K (32 weights, K-quants:
@@ -69,6 +71,7 @@
  *                       4 (l % 4) ..: the line holds the table 4 times, once per 128-bit lane for vpshufb)
  *     IQ4_TAB16 (2432 bytes): d[16] fp16 | scales[16][16] int8 as Q6_K's | 32 unused | per 32-block c:
  *                       qs[4][16][4] as IQ4_XS's | table[16][4] as IQ4_TAB's
+ *     IQ2_GRID (1152 bytes): IQ4_XS's d and scales | per 32-block c: idx[16][4] | neg[8][8] (IQ2_CODES)
  *     Q6_K (3360 bytes): d[16] fp16 | scales[16][16] int8 (sub-block s of lane l at 16 s + l) | then per
  *                       32-block c (0..7) of the super-block, per half h: v[3][16][4]: byte (r, l, t) =
  *                       the code of K 32 c + 16 h + 4 r + t in bits 0..5, and bits 2 r, 2 r + 1 of the
@@ -153,14 +156,14 @@
 /* Bytes of one panel block and weights per format block. */
 static const int64_t PANEL_BYTES[QUANT_NUM_TYPES] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176,
                                                      NR * 20, NR * 24, NR * 136, NR * 36, NR * 110, NR * 84,
-                                                     NR * 140, NR * 152};
-static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256, 256, 256, 256};
+                                                     NR * 140, NR * 152, NR * 72};
+static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256, 256, 256, 256, 256};
 /* Every format, for the per-format tile copies (QTILE_FN) and their table by qtype: X(name, qtype). */
 #define QUANT_FORMATS(X)                                                                                     \
     X(tile_q8_0, QUANT_Q8_0) X(tile_q4_0, QUANT_Q4_0) X(tile_q4_k, QUANT_Q4_K) X(tile_q5_0, QUANT_Q5_0)      \
     X(tile_q6_k, QUANT_Q6_K) X(tile_q5_k, QUANT_Q5_K) X(tile_q4_1, QUANT_Q4_1) X(tile_q5_1, QUANT_Q5_1)      \
     X(tile_iq4_xs, QUANT_IQ4_XS) X(tile_iq4_nl, QUANT_IQ4_NL) X(tile_q3_k, QUANT_Q3_K) X(tile_q2_k, QUANT_Q2_K)    \
-    X(tile_iq4_tab, QUANT_IQ4_TAB) X(tile_iq4_tab16, QUANT_IQ4_TAB16)
+    X(tile_iq4_tab, QUANT_IQ4_TAB) X(tile_iq4_tab16, QUANT_IQ4_TAB16) X(tile_iq2_grid, QUANT_IQ2_GRID)
 #define QTILE_ENTRY(NAME, QT) [QT] = NAME,
 /* Where the 4-bit codes of 32-block j (and of its pair's other half) start in a Q4_K / Q5_K panel block.
  * Q5_K's pair of 32-blocks keeps its first block's fifth bits (K5_HB) before the codes and its second's
@@ -199,18 +202,73 @@ static inline int sums_per_block(int qtype) { return Q6_SCALES(qtype) || IS_LOW2
 
 #define IQ4_CODES 128  /* where an IQ4_XS panel block's codes start (after d and the scales) */
 #define TAB_AT 2176    /* where an IQ4_TAB panel block's table line starts (after IQ4_XS's bytes) */
-/* IQ4_XS and IQ4_TAB: one layout, IQ4_TAB's 16 code values in its block rather than IQ4_XS's table */
-#define IS_XS(qtype) ((qtype) == QUANT_IQ4_XS || (qtype) == QUANT_IQ4_TAB)
+/* IQ4_XS's d and scales: IQ4_XS, IQ4_TAB (its 16 code values in its block rather than IQ4_XS's table) and
+ * IQ2_GRID (IQ2_XXS's grid indices instead of 4-bit ones) */
+#define IS_XS(qtype) ((qtype) == QUANT_IQ4_XS || (qtype) == QUANT_IQ4_TAB || (qtype) == QUANT_IQ2_GRID)
 /* IQ4_TAB16: IQ4_TAB's codes and table with Q6_K's d and int8 scale per 16 weights (two sums a 32-block) */
 #define TAB16_CODES 320  /* where an IQ4_TAB16 panel block's codes start (after d, the scales and a gap) */
 #define TAB16_AT 2368    /* where its table line starts */
-#define XS_CODES(qtype) (IS_XS(qtype) || (qtype) == QUANT_IQ4_TAB16)
+#define XS_CODES(qtype) ((IS_XS(qtype) && (qtype) != QUANT_IQ2_GRID) || (qtype) == QUANT_IQ4_TAB16)
 #define CODES_AT(qtype) ((qtype) == QUANT_IQ4_TAB16 ? TAB16_CODES : IQ4_CODES)
 /* What a block's fp16 d is multiplied by: IQ4_TAB's table is in eighths (w = d scale c / 8), so that the
  * grids' d stays the file's fp16 d (d / 8 is often no fp16) and their values stay integers. */
-#define D_UNIT(qtype) ((qtype) == QUANT_IQ4_TAB || (qtype) == QUANT_IQ4_TAB16 ? 0.125f : 1.0f)
+#define D_UNIT(qtype) \
+    ((qtype) == QUANT_IQ4_TAB || (qtype) == QUANT_IQ4_TAB16 || (qtype) == QUANT_IQ2_GRID ? 0.125f : 1.0f)
 #define Q3_CODES 224   /* where a Q3_K panel block's codes start (after d and the scales), 192 bytes a 32-block */
 #define Q2_CODES 320   /* where a Q2_K panel block's codes start (after d, dmin, the scales), 128 bytes a 32-block */
+/* IQ2_GRID: IQ2_XXS's weights kept as the file has them, a grid index per 8 weights (w = d s / 8 x sign x g, g in
+ * {8, 25, 43}: llama.cpp's iq2xxs_grid), their signs a bit each (IQ2_XXS's 7 and the parity bit it leaves out),
+ * 2.25 bits a weight against IQ4_TAB's 4.375. Per 32-block c (0..7), at IQ2_CODES + 128 c:
+ *     idx[16][4]: byte 4 l + i: row l's grid index of K 32 c + 8 i .. + 7
+ *     neg[8][8]: 8 bytes per code vector g, a 64-bit mask: bit 4 l + t set where K 32 c + 4 g + t of row l
+ *                is negative (the vector's byte 4 l + t)
+ * Code vector g = 2 i + h takes half h (weights 4 h .. 4 h + 3) of each row's grid entry i: IQ2_GRID_CODE
+ * holds each entry's 8 values as 2-bit level numbers (weight k in bits 2 k, 2 k + 1), the code is 128 + the
+ * level's value with the weight's sign (o = 128, as IQ4_TAB's). */
+#define IQ2_CODES 128  /* where an IQ2_GRID panel block's 32-blocks start (after IQ4_XS's d and scales) */
+static const uint8_t IQ2_LEVEL[4] = {8, 25, 43, 0};
+/* llama.cpp's iq2xxs_grid (also gguf-py's IQ2_XXS.grid, which the tests hold it to), entry e's weight k as bits
+ * 2 k, 2 k + 1: its level in IQ2_LEVEL; [0]: weights 0..3 of each entry, [1]: 4..7 (a 256-byte table each, as the
+ * VBMI lookup wants them). */
+static const uint8_t IQ2_GRID_CODE[2][256] __attribute__((aligned(64))) = {
+{
+    0x00, 0x02, 0x05, 0x08, 0x0a, 0x11, 0x14, 0x20, 0x22, 0x28, 0x2a, 0x41, 0x44, 0x50, 0x58, 0x61,
+    0x64, 0x80, 0x82, 0x8a, 0xa2, 0x01, 0x04, 0x10, 0x15, 0x40, 0x84, 0x98, 0x00, 0x02, 0x22, 0x82,
+    0x01, 0x04, 0x10, 0x21, 0x24, 0x40, 0x42, 0x48, 0x60, 0x81, 0x84, 0x90, 0xa4, 0x00, 0x02, 0x08,
+    0x20, 0x46, 0x69, 0x80, 0x91, 0x09, 0x10, 0x40, 0x84, 0xa4, 0x00, 0x05, 0x08, 0x14, 0x28, 0x41,
+    0x44, 0x50, 0x52, 0x88, 0x04, 0x40, 0x02, 0x14, 0x01, 0x04, 0x10, 0x21, 0x40, 0x60, 0x84, 0x90,
+    0x95, 0x00, 0x08, 0x20, 0x50, 0x5a, 0x80, 0x24, 0x45, 0x00, 0x08, 0x20, 0x25, 0x49, 0x80, 0x18,
+    0x62, 0x00, 0x16, 0x01, 0x04, 0x10, 0x40, 0x81, 0x00, 0x05, 0xa0, 0x51, 0x00, 0x02, 0x0a, 0x44,
+    0x61, 0x80, 0x82, 0x29, 0x48, 0x00, 0x02, 0x01, 0x04, 0x10, 0x40, 0x56, 0x00, 0x41, 0x64, 0x90,
+    0x08, 0x20, 0x94, 0x44, 0x01, 0x04, 0x10, 0x18, 0x21, 0x24, 0x40, 0x48, 0x56, 0x60, 0x81, 0x84,
+    0x90, 0x00, 0x20, 0x61, 0x80, 0x85, 0x01, 0x10, 0x48, 0x56, 0x68, 0x00, 0x08, 0x20, 0x80, 0x99,
+    0x12, 0x24, 0x00, 0x01, 0x04, 0x10, 0x40, 0x45, 0x00, 0x58, 0x61, 0x82, 0x45, 0x90, 0x00, 0x08,
+    0x11, 0x19, 0x20, 0x80, 0x88, 0x04, 0x42, 0xa4, 0x91, 0x90, 0x92, 0x0a, 0x01, 0x54, 0x00, 0x11,
+    0x19, 0x64, 0x40, 0x08, 0x04, 0x10, 0x40, 0x68, 0x00, 0x55, 0x18, 0x60, 0x00, 0x05, 0x10, 0x12,
+    0x84, 0x42, 0x00, 0x02, 0x0a, 0x41, 0x82, 0x04, 0x18, 0x40, 0x11, 0x01, 0x04, 0x10, 0x15, 0x40,
+    0x60, 0x00, 0x46, 0x94, 0x09, 0x40, 0x60, 0x02, 0x04, 0x11, 0x04, 0x10, 0x24, 0x40, 0xa1, 0x16,
+    0x80, 0x45, 0x00, 0x22, 0x44, 0x51, 0x81, 0x20, 0x02, 0x50, 0x85, 0x09, 0x00, 0x18, 0x50, 0x04,
+},
+{
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x01, 0x01, 0x01, 0x01, 0x01, 0x01, 0x01, 0x02, 0x02, 0x02, 0x02,
+    0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04, 0x05, 0x05, 0x05,
+    0x05, 0x05, 0x05, 0x05, 0x05, 0x06, 0x06, 0x06, 0x06, 0x06, 0x08, 0x08, 0x08, 0x08, 0x08, 0x08,
+    0x08, 0x08, 0x08, 0x08, 0x09, 0x09, 0x0a, 0x0a, 0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x10,
+    0x10, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x12, 0x12, 0x14, 0x14, 0x14, 0x14, 0x14, 0x14, 0x15,
+    0x15, 0x16, 0x16, 0x18, 0x18, 0x18, 0x18, 0x18, 0x19, 0x19, 0x19, 0x1a, 0x20, 0x20, 0x20, 0x20,
+    0x20, 0x20, 0x20, 0x21, 0x21, 0x22, 0x22, 0x24, 0x24, 0x24, 0x24, 0x24, 0x25, 0x25, 0x25, 0x26,
+    0x28, 0x28, 0x28, 0x2a, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
+    0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x42, 0x42, 0x42, 0x42, 0x42, 0x44, 0x44, 0x44, 0x44, 0x44,
+    0x45, 0x45, 0x46, 0x48, 0x48, 0x48, 0x48, 0x48, 0x49, 0x49, 0x49, 0x49, 0x4a, 0x4a, 0x50, 0x50,
+    0x50, 0x50, 0x50, 0x50, 0x50, 0x51, 0x51, 0x51, 0x52, 0x54, 0x54, 0x55, 0x56, 0x56, 0x58, 0x58,
+    0x58, 0x58, 0x59, 0x5a, 0x60, 0x60, 0x60, 0x60, 0x61, 0x61, 0x62, 0x62, 0x64, 0x64, 0x65, 0x65,
+    0x65, 0x68, 0x80, 0x80, 0x80, 0x80, 0x80, 0x81, 0x81, 0x81, 0x82, 0x84, 0x84, 0x84, 0x84, 0x84,
+    0x84, 0x85, 0x85, 0x85, 0x86, 0x86, 0x86, 0x88, 0x89, 0x8a, 0x90, 0x90, 0x90, 0x90, 0x90, 0x91,
+    0x91, 0x92, 0x94, 0x94, 0x94, 0x95, 0x98, 0x99, 0xa0, 0xa0, 0xa0, 0xa1, 0xa2, 0xa4, 0xa8, 0xa9,
+},
+};
+
 /* IQ4_XS: llama.cpp's table of the 16 weight values (kvalues_iq4nl), + 128: the kernel's unsigned codes. */
 static const uint8_t IQ4_CODE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
@@ -234,7 +292,7 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
 #define HAS_KMIN(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q2_K)
 /* Codes that are a signed int8 + 128 (Q8_0, IQ4_NL, IQ4_XS's codes): the AVX2 path multiplies |w| by x with w's
  * sign. */
-#define SIGNED_CODES(qtype) ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_NL || XS_CODES(qtype))
+#define SIGNED_CODES(qtype) ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_NL || IS_XS(qtype) || XS_CODES(qtype))
 #define KB 256  /* weights per K-quant block, and per x scale for them */
 
 /* x quantized: codes [M, K] int8, a scale per `span` values (32, or KB for the K-quants) [M, K / span],
@@ -355,7 +413,8 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
 /* o: the code of a zero weight in the formats without mins (w = a (c - o)); 0 in those with a min per block. */
 static inline float code_offset(int qtype) {
     switch (qtype) {
-    case QUANT_Q8_0: case QUANT_IQ4_NL: case QUANT_IQ4_XS: case QUANT_IQ4_TAB: case QUANT_IQ4_TAB16: return 128.0f;
+    case QUANT_Q8_0: case QUANT_IQ4_NL: case QUANT_IQ4_XS: case QUANT_IQ4_TAB: case QUANT_IQ4_TAB16:
+    case QUANT_IQ2_GRID: return 128.0f;
     case QUANT_Q6_K: return 32.0f;
     case QUANT_Q3_K: return 4.0f;
     case QUANT_Q5_0: return 16.0f;
@@ -429,6 +488,11 @@ static void block_ab(int qtype, const uint8_t *blk, int lane, int j, int k, floa
 static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k) {
     const int g = k / 4, t = k % 4;
     if (qtype == QUANT_Q8_0) return blk[32 + 64 * g + 4 * lane + t];
+    if (qtype == QUANT_IQ2_GRID) {
+        const uint8_t *v = blk + IQ2_CODES + 128 * (j % 8);
+        const int level = IQ2_LEVEL[(IQ2_GRID_CODE[g % 2][v[4 * lane + g / 2]] >> (2 * t)) & 3];
+        return (v[64 + 8 * g + lane / 2] >> (4 * (lane % 2) + t)) & 1 ? 128 - level : 128 + level;
+    }
     if (qtype == QUANT_Q6_K) {
         const uint8_t *v = blk + Q6_CODES + Q6_BLOCK * (j % 8) + 192 * (g / 4) + 4 * lane + t;
         if (g % 4 < 3) return v[64 * (g % 4)] & 63;
@@ -450,6 +514,13 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
     const int low = (blk[K_CODES(qtype, j) + 64 * g + 4 * lane + t] >> (j % 2 ? 4 : 0)) & 0xf;
     if (qtype == QUANT_Q4_K) return low;
     return low | (((blk[K5_HB(j) + 4 * lane + t] >> g) & 1) << 4);  /* Q5_K */
+}
+
+/* IQ2_GRID's code vector g of 32-block j one code at a time (code_at), into out[64]: the paths without VBMI's
+ * byte lookups, which exist for its correctness there (the loader holds IQ2_XXS as IQ4_TAB on them). */
+static inline void iq2_code_bytes(const uint8_t *blk, int j, int g, uint8_t out[64]) {
+    for (int lane = 0; lane < NR; lane++)
+        for (int t = 0; t < 4; t++) out[4 * lane + t] = (uint8_t)code_at(QUANT_IQ2_GRID, blk, lane, j, 4 * g + t);
 }
 
 /* Where 32-block j of a panel is read from: the start of its packed block (the K-quants' 256-block), or for
@@ -477,6 +548,11 @@ INLINE LaneWords load_lanes(const uint8_t *p) { LaneWords v; memcpy(&v, p, sizeo
 /* Codes vector g of 32-block j as 16 lanes of 4 codes, one per byte (the VNNI path's operand). */
 INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
     if (qtype == QUANT_Q8_0) return load_lanes(blk + 32 + 64 * g);
+    if (qtype == QUANT_IQ2_GRID) {
+        uint8_t bytes[64];
+        iq2_code_bytes(blk, j, g, bytes);
+        return load_lanes(bytes);
+    }
     if (qtype == QUANT_Q3_K) {
         const uint8_t *v = blk + Q3_CODES + 192 * (j % 8);
         return ((load_lanes(v + 64 * (g / 4)) >> (2 * (g % 4))) & 0x03030303u) |
@@ -623,6 +699,11 @@ INLINE __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m2
 INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return load256(blk + 32 + 64 * g + 32 * h);
+    if (qtype == QUANT_IQ2_GRID) {
+        uint8_t bytes[64];
+        iq2_code_bytes(blk, j, g, bytes);
+        return load256(bytes + 32 * h);
+    }
     if (qtype == QUANT_Q2_K) {
         const __m256i v = load256(blk + Q2_CODES + 128 * j + 64 * (g / 4) + 32 * h);
         return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (g % 4)), _mm256_set1_epi8(3));
@@ -871,10 +952,41 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 #else
 /* ---------------------------------------------------------------------------- the AVX-512 VNNI path */
 
+/* IQ2_GRID's code vector g (= 2 i + h) of 32-block j. With VBMI: the 64 grid indices through half h of
+ * IQ2_GRID_CODE by byte lookups (two 128-entry vpermi2b, the second under the mask of bit 7 over the first's
+ * result, which keeps those lanes' indices: the same for each g of a half, so the compiler keeps them across the
+ * unrolled g), each row's byte i spread to its 4 level numbers (vpmultishiftqb,
+ * 2 bits apart), their values + 128 (vpermb on the low 6 bits, from a table of period 4), negated under the
+ * sign mask (128 - value is 0 - (128 + value) in bytes). Else one code at a time. */
+INLINE __m512i iq2_codes(const uint8_t *blk, int j, int g) {
+#ifdef __AVX512VBMI__
+    const uint8_t *v = blk + IQ2_CODES + 128 * j, *table = IQ2_GRID_CODE[g % 2];
+    const __m512i idx = _mm512_loadu_si512(v);
+    const __mmask64 top = _mm512_movepi8_mask(idx);  /* entries 128..255: the second lookup's, merged over */
+    const __m512i low = _mm512_mask2_permutex2var_epi8(_mm512_load_si512(table), idx, ~top,
+                                                       _mm512_load_si512(table + 64));
+    const __m512i half = _mm512_mask2_permutex2var_epi8(_mm512_load_si512(table + 128), low, top,
+                                                        _mm512_load_si512(table + 192));
+    /* byte 4 d + t of each qword (its dword d: row 2 q + d) from bit 32 d + 8 i + 2 t */
+    const uint64_t step = 0x0808080808080808ull * (uint64_t)(g / 2);
+    const __m512i spread = _mm512_set1_epi64((int64_t)(0x2624222006040200ull + step));
+    const __m512i value = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(spread, half),
+                                                  _mm512_set1_epi32(0x00ab9988));  /* 128 + 8, 25, 43 */
+    uint64_t neg;
+    memcpy(&neg, v + 64 + 8 * g, 8);
+    return _mm512_mask_sub_epi8(value, (__mmask64)neg, _mm512_setzero_si512(), value);
+#else
+    uint8_t bytes[64];
+    iq2_code_bytes(blk, j, g, bytes);
+    return _mm512_loadu_si512(bytes);
+#endif
+}
+
 /* Codes vector g (K 32 j + 4 g ..) of 32-block j in the panel block at blk. */
 INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g, int one_sum) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return _mm512_loadu_si512(blk + 32 + 64 * g);
+    if (qtype == QUANT_IQ2_GRID) return iq2_codes(blk, j, g);
     if (IS_LOW2(qtype)) {
         /* the low bits: bits 2 (g % 4), + 1 of vector g / 4; Q3_K's third bit g of the hb byte moved to bit 2
          * and put in (0xF8: A | (B & C)). g is a literal (each half its own block_half): shifts by constants */
@@ -1037,8 +1149,8 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
 #ifndef L1_NEAR
 #define L1_NEAR 4
 #endif
-static int single_prefetch[QUANT_NUM_TYPES] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-_Static_assert(QUANT_NUM_TYPES == 14, "single_prefetch starts at 1 for each format");
+static int single_prefetch[QUANT_NUM_TYPES] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+_Static_assert(QUANT_NUM_TYPES == 15, "single_prefetch starts at 1 for each format");
 
 void gemm_quant_set_single_prefetch_for(int qtype, int level) {
     if (qtype >= 0 && qtype < QUANT_NUM_TYPES) single_prefetch[qtype] = level;
@@ -1776,6 +1888,14 @@ static int prefetch_blocks(int qtype, int single) { (void)qtype; return !single;
 
 int gemm_quant_path(void) { return QUANT_PATH; }
 
+int gemm_quant_byte_lookups(void) {
+#if QUANT_VNNI && defined(__AVX512VBMI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Single-stream mode: calls of at most this many rows take one panel per task, so each thread reads one
  * sequential stream (the VNNI path prefetching it SINGLE_PREFETCH_BYTES ahead or not, the others not at
  * all), which some CPUs follow faster than NZ streams kept in flight by hand (a Zen 4 at M = 1: 1.2-1.45x)
@@ -1896,6 +2016,7 @@ static const Piece PIECES[QUANT_NUM_TYPES][5] = {
     {{80, 0, 2, 2}, {82, 32, 2, 2}, {0, 64, 16, 4}},                   /* Q2_K: d | dmin | scales (codes: below) */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 4, 4}, {136, TAB_AT, 4, 4}}, /* IQ4_TAB: IQ4_XS's | table share */
     {{0, 0, 2, 2}, {2, 32, 16, 1}, {146, TAB16_AT, 4, 4}},             /* IQ4_TAB16: d | scales | table share */
+    {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 4, 4}},                      /* IQ2_GRID: IQ4_XS's (idx, neg: below) */
 };
 
 /* Q3_K's and Q2_K's 256 codes of row lane (GGUF: Q3_K hmask[32] | qs[64] | scales[12] | d, Q2_K scales[16] |
@@ -1917,6 +2038,20 @@ static void pack_low2_codes(int qtype, const uint8_t *src, int lane, uint8_t *ds
 static void pack_iq4_xs_codes(const uint8_t *src, int lane, uint8_t *dst) {
     for (int c = 0; c < 8; c++)
         for (int u = 0; u < 4; u++) memcpy(dst + 256 * c + 4 * (NR * u + lane), src + 16 * c + 4 * u, 4);
+}
+
+/* IQ2_GRID's 32-blocks of row lane (its row block: d | IQ4_XS's scales | per 32-block c at 8 + 8 c: 4 grid
+ * indices | 4 sign bytes, bit k of byte i: K 8 i + k negative; models/requantize.py) -> idx and the sign masks
+ * (into a zeroed dst). */
+static void pack_iq2_grid(const uint8_t *src, int lane, uint8_t *dst) {
+    for (int c = 0; c < 8; c++) {
+        uint8_t *v = dst + IQ2_CODES + 128 * c;
+        memcpy(v + 4 * lane, src + 8 + 8 * c, 4);
+        for (int g = 0; g < 8; g++) {
+            const int nibble = (src[12 + 8 * c + g / 2] >> (4 * (g % 2))) & 0xf;
+            v[64 + 8 * g + lane / 2] |= (uint8_t)(nibble << (4 * (lane % 2)));
+        }
+    }
 }
 
 /* Q5_0's or Q5_1's qh (bit k: the fifth bit of K k) of row lane -> hb byte t: bit g = the fifth bit of K
@@ -1968,7 +2103,8 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
         for (int64_t j = 0; j < nb; j++) {
             uint8_t *dst = (uint8_t *)out + (p * nb + j) * PANEL_BYTES[qtype];
             /* the formats whose bits are ORed in (and IQ4_TAB16's gap) */
-            if (qtype == QUANT_Q6_K || qtype == QUANT_Q5_K || IS_LOW2(qtype) || qtype == QUANT_IQ4_TAB16)
+            if (qtype == QUANT_Q6_K || qtype == QUANT_Q5_K || IS_LOW2(qtype) || qtype == QUANT_IQ4_TAB16 ||
+                qtype == QUANT_IQ2_GRID)
                 memset(dst, 0, (size_t)PANEL_BYTES[qtype]);
             for (int l = 0; l < NR; l++) {
                 const uint8_t *src = (const uint8_t *)blocks + ((p * NR + l) * nb + j) * bb;
@@ -1981,7 +2117,8 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
                     pack_high_bits(src + (HAS_BLOCK_MIN(qtype) ? 4 : 2), l, dst + FIFTH_AT(qtype));
                 if (qtype == QUANT_Q6_K) pack_q6_k_codes(src, l, dst);
                 if (qtype == QUANT_Q5_K) pack_q5_k(src, l, dst);
-                if (IS_XS(qtype)) pack_iq4_xs_codes(src + 8, l, dst + IQ4_CODES);
+                if (XS_CODES(qtype) && qtype != QUANT_IQ4_TAB16) pack_iq4_xs_codes(src + 8, l, dst + IQ4_CODES);
+                if (qtype == QUANT_IQ2_GRID) pack_iq2_grid(src, l, dst);
                 if (qtype == QUANT_IQ4_TAB16) pack_iq4_xs_codes(src + 18, l, dst + TAB16_CODES);
                 if (IS_LOW2(qtype)) pack_low2_codes(qtype, src, l, dst);
             }
