@@ -12,10 +12,11 @@ import torch
 from cobatch.kernels.bindings import KERNEL_TIMERS
 from cobatch.kernels.decoder import NativeDecoder
 from cobatch.kernels.linear import is_gate_up_packed, is_packed, native_gemm
-from cobatch.kernels.quant_linear import is_quantized, native_quant_gemm
+from cobatch.kernels.quant_linear import is_quantized, native_quant_gemm, pack_blocks
 from cobatch.models import llama as llama_module
 from cobatch.models.loader import build_model
 from cobatch.models.model_config import ModelConfig
+from cobatch.models.quantization import quantize
 from cobatch.runner.layer_loop import native_layer_loop
 from cobatch.runner.model_runner import ModelRunner, prepare_batch
 from cobatch.scheduler_output import SchedulerOutput
@@ -88,6 +89,29 @@ def test_quantized_weights_same_bits_as_the_python_layer_loop(arch: str, quantiz
     assert torch.equal(hidden, ref_hidden)
     assert torch.equal(cache, ref_cache)
     assert not torch.equal(cache, runner.kv_cache)
+
+
+@pytest.mark.skipif(native_quant_gemm() is None, reason="the kernels library cannot be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the bias split between the two GEMMs
+def test_qkv_in_two_formats_same_bits_as_the_python_layer_loop(arch: str, dtype: torch.dtype) -> None:
+    """q | k in Q4_0, v apart in Q8_0 (qkv_tail_proj, as the loader keeps llama-quantize's mixes): the C loop's
+    two strided GEMMs give the Python loop's bits (which runs them as two GEMMs and a concatenation)."""
+    hf = tiny_hf_model(arch)
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    model = build_model(config, hf.state_dict(), dtype, quantization="q4_0")
+    v_rows = config.num_kv_heads * config.head_dim
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}.self_attn."
+        dense = torch.cat([hf.state_dict()[prefix + f"{x}_proj.weight"] for x in "qkv"]).float()
+        layer.qkv_proj.data = pack_blocks(quantize(dense[:-v_rows], "q4_0"))
+        layer.qkv_tail_proj = torch.nn.Parameter(pack_blocks(quantize(dense[-v_rows:], "q8_0")), requires_grad=False)
+    runner = ModelRunner.from_model(model, config, 64, 4)
+    assert runner.native_decoder is not None
+    out = _mixed_step(runner)
+    hidden, cache = _forward(runner, out, native=True)
+    ref_hidden, ref_cache = _forward(runner, out, native=False)
+    assert torch.isfinite(hidden).all() and torch.equal(hidden, ref_hidden) and torch.equal(cache, ref_cache)
 
 
 @with_dense_kernels

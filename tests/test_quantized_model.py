@@ -144,8 +144,8 @@ MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.10\.ffn_down=mxfp4", r"blk\.11\.ffn_do
 
 
 def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quantized_gguf) -> None:
-    """An MXFP4 matrix becomes Q8_0 (requantized), and so does q | k | v of mixed formats (exactly from a
-    Q5_0 v); a TQ2_0 one IQ4_TAB (exactly), an IQ2_XXS one IQ2_GRID (IQ4_TAB without VBMI; exactly); a Q2_K,
+    """An MXFP4 matrix becomes Q8_0 (requantized), and so does q | k | v of three runs of formats (Q4_0, Q8_0,
+    Q4_0); q | k | v of two (Q4_0 q, k; a Q5_0 v) keeps both, v apart; a TQ2_0 one IQ4_TAB (exactly), an IQ2_XXS one IQ2_GRID (IQ4_TAB without VBMI; exactly); a Q2_K,
     Q3_K, Q5_0, Q5_1, Q5_K, Q6_K or IQ4_XS ffn_down and an IQ4_NL gate | up stay as they are (their values
     exactly): no dense matrix, a little more than the file's bytes, greedy output ranked by its dequantized
     weights as the plain files' is."""
@@ -153,8 +153,10 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     llm = LLM(str(path), **ENGINE)
     model = _model(llm)
     assert all(is_quantized(p) for p in model.parameters() if p.dim() > 1)
-    layer0 = model.layers[0].qkv_proj  # type: ignore[index]
-    assert quant_type(layer0).name == "q8_0" and quant_type(model.layers[5].qkv_proj).name == "q4_0"
+    layer0 = model.layers[0]  # type: ignore[index]
+    assert quant_type(layer0.qkv_proj).name == "q4_0" and quant_type(layer0.qkv_tail_proj).name == "q5_0"
+    assert quant_type(model.layers[5].qkv_proj).name == "q4_0" and model.layers[5].qkv_tail_proj is None
+    assert quant_type(model.layers[20].qkv_proj).name == "q8_0" and model.layers[20].qkv_tail_proj is None
     assert quant_type(model.layers[25].down_proj).name == "q5_0"
     assert quant_type(model.layers[5].down_proj).name == "q6_k"
     assert quant_type(model.layers[15].down_proj).name == "q5_k"
@@ -171,10 +173,11 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() > 1)
     assert model_bytes <= 1.2 * _matrix_bytes(path)
     reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    v = reader["blk.0.attn_v.weight"]  # Q5_0 in the file: its values exactly
+    v = reader["blk.0.attn_v.weight"]  # Q5_0 in the file, kept apart: its values exactly
     v_dense = torch.from_numpy(gguf.quants.dequantize(v.data, v.tensor_type))
-    rows = torch.arange(quantized_shape(layer0)[0] - v_dense.shape[0], quantized_shape(layer0)[0])
-    assert torch.equal(quantized_rows(rows, layer0.data, torch.float32), v_dense)
+    assert quantized_shape(layer0.qkv_tail_proj)[0] == v_dense.shape[0]
+    assert torch.equal(quantized_rows(torch.arange(v_dense.shape[0]), layer0.qkv_tail_proj.data, torch.float32),
+                       v_dense)
     down = reader["blk.10.ffn_down.weight"]  # MXFP4: within Q8_0's rounding (and its fp16 scale's)
     down_dense = torch.from_numpy(gguf.quants.dequantize(down.data, down.tensor_type))
     served = quantized_rows(torch.arange(down_dense.shape[0]), model.layers[10].down_proj.data, torch.float32)

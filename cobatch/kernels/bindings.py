@@ -32,7 +32,8 @@ Shape = _struct("Shape", _int64s("hidden", "inter", "num_heads", "num_kv_heads",
                                  "fused_mlp", "is_bf16") + [("eps", _FLOAT), ("scale", _FLOAT)])
 Layer = _struct("Layer", _pointers("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "down",
                                    "q_norm", "k_norm", "k_cache", "v_cache")
-               + _int64s("qkv_type", "o_type", "gate_up_type", "down_type", "skip_rope"))
+               + _int64s("qkv_type", "o_type", "gate_up_type", "down_type", "skip_rope")
+               + _pointers("qkv_tail") + _int64s("qkv_tail_type", "qkv_tail_rows"))
 Step = _struct("Step", _int64s("num_tokens", "max_blocks", "num_tiles", "num_keep", "num_own_writes")
                + _pointers("positions", "slot_mapping", "block_tables", "tiles", "keep", "keep_tiles", "cos", "sin"))
 Buffers = _struct("Buffers", _pointers("residual", "x", "h", "qkv", "attn", "gate_up", "act", "residual_keep",
@@ -89,6 +90,7 @@ SIGNATURES: dict[str, tuple[type | None, list]] = {
     # gemm_quant.c: x, wq, qtype, bias, y, M, N, K, is_bf16, threads; blocks, qtype, N, K, out, threads;
     # wq, qtype, ids, n, N, K, out, is_bf16
     "gemm_quant_path": (_INT, []),
+    "gemm_quant_strided": (_INT, [_PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]),
     "gemm_quant_byte_lookups": (_INT, []),
     "gemm_quant_set_single_stream": (None, [_INT]),
     "gemm_quant_set_single_stream_for": (None, [_INT, _INT]),

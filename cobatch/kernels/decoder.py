@@ -21,7 +21,7 @@ from cobatch.kernels.attention import KVCache, load_attention_kernel
 from cobatch.kernels.bindings import KERNEL_TIMERS, Buffers, Layer, Shape, Step, kernel_seconds, load_kernels
 from cobatch.kernels.fused_ops import fused_ops
 from cobatch.kernels.linear import is_gate_up_packed, is_packed, native_gemm
-from cobatch.kernels.quant_linear import is_quantized, native_quant_gemm, quant_type
+from cobatch.kernels.quant_linear import is_quantized, native_quant_gemm, quant_type, quantized_shape
 
 
 class PagedMetadata(Protocol):
@@ -49,6 +49,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [hd]: Qwen3's RMSNorm of each q head before RoPE (with k_norm)
     k_norm: torch.Tensor | None = None
     rope: bool = True  # False: no RoPE on q and k (SmolLM3's NoPE layers)
+    qkv_tail: torch.Tensor | None = None  # qkv's last rows in a second quantized format (qkv: the rows before)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,13 @@ def _has_dense_kernel(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     return kernel is not None and kernel.reads(weight)
 
 
+def _tail_fields(tail: torch.Tensor | None) -> tuple[int | None, int, int]:
+    """Layer's qkv_tail, qkv_tail_type, qkv_tail_rows."""
+    if tail is None:
+        return None, 0, 0
+    return tail.data_ptr(), quant_type(tail).qtype, quantized_shape(tail)[0]
+
+
 def _is_fused(weights: DecoderWeights) -> bool:
     return all(is_gate_up_packed(layer.gate_up) for layer in weights.layers)
 
@@ -107,6 +115,9 @@ def can_run(weights: DecoderWeights) -> bool:
     dtype, fused = weights.final_norm.dtype, _is_fused(weights)
     dense = [w for layer in weights.layers
              for w in (layer.qkv, layer.o, layer.down, layer.gate_up) if not is_quantized(w)]
+    if any(layer.qkv_tail is not None and not (is_quantized(layer.qkv) and is_quantized(layer.qkv_tail))
+           for layer in weights.layers):  # the C loop's second qkv GEMM is a quantized one's
+        return False
     types = [projection_type(w, dtype) for layer in weights.layers
              for w in (layer.qkv, layer.o, layer.down, *(() if fused else (layer.gate_up,)))]
     if None in types or dtype not in (torch.bfloat16, torch.float32):
@@ -130,7 +141,7 @@ class NativeDecoder:
                                       layer.post_norm, layer.gate_up, layer.down, layer.q_norm, layer.k_norm)),
                   None, None,
                   *(projection_type(t, self._dtype) for t in (layer.qkv, layer.o, layer.gate_up, layer.down)),
-                  int(not layer.rope))
+                  int(not layer.rope), *_tail_fields(layer.qkv_tail))
             for layer in w.layers))
         self._bound_caches: Sequence[KVCache] | None = None
         self._scratch = torch.empty(0, dtype=self._dtype)  # the per-step activations (_workspace)

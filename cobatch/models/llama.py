@@ -22,6 +22,7 @@ from cobatch.kernels.fused_ops import FusedOps, fused_ops
 from cobatch.kernels.hugepages import move_to_huge_pages
 from cobatch.kernels.linear import (can_pack, can_pack_gate_up, embedding, is_gate_up_packed, linear, pack_gate_up,
                                     pack_weight, silu_mul_linear)
+from cobatch.kernels.quant_linear import is_quantized, quantized_shape
 from cobatch.models.attention import AttentionMetadata, paged_attention
 from cobatch.models.model_config import ModelConfig, RopeScaling
 
@@ -116,6 +117,10 @@ class DecoderLayer(nn.Module):
         self.input_norm = _param(h, dtype=dtype, device=device)
         self.qkv_proj = _param(config.qkv_size, h, dtype=dtype, device=device)  # rows: q | k | v
         self.qkv_bias = _param(config.qkv_size, dtype=dtype, device=device) if config.attention_bias else None
+        # a GGUF's q | k | v in two quantized formats (llama-quantize's Q4_K_M: a Q6_K v): the last rows in the
+        # second, kept apart (the loader sets it; qkv_proj then holds the rows before them)
+        self.qkv_tail_proj: nn.Parameter | None
+        self.register_parameter("qkv_tail_proj", None)
         self.o_proj = _param(h, config.num_heads * config.head_dim, dtype=dtype, device=device)
         self.o_bias = _param(h, dtype=dtype, device=device) if config.o_proj_bias else None
         self.post_attention_norm = _param(h, dtype=dtype, device=device)
@@ -156,13 +161,22 @@ class DecoderLayer(nn.Module):
             return silu_mul_linear(x, self.gate_up_proj)
         return ops.silu_mul(linear(x, self.gate_up_proj))
 
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ Wqkv.T (+ b): one GEMM, or one per format where the rows are in two (qkv_tail_proj)."""
+        if self.qkv_tail_proj is None:
+            return linear(x, self.qkv_proj, self.qkv_bias)
+        w, bias = self.qkv_proj, self.qkv_bias
+        head = quantized_shape(w)[0] if is_quantized(w) else w.shape[0]  # dense: a reference's dequantized copy
+        return torch.cat([linear(x, self.qkv_proj, None if bias is None else bias[:head]),
+                          linear(x, self.qkv_tail_proj, None if bias is None else bias[head:])], dim=-1)
+
     def qkv_rope(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused QKV, (Qwen3: each q and k head RMS-normed,) RoPE on q and k in place: [T, H] -> q [T, nh, hd],
         k and v [T, kvh, hd] (views)."""
         num_tokens = x.shape[0]
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [T, (nh + 2 kvh) hd]: rows q | k | v
+        qkv = self.qkv(x)  # [T, (nh + 2 kvh) hd]: rows q | k | v
         if self.q_norm is not None and self.k_norm is not None:
             ops.head_rms_norm(qkv, 0, nh, hd, self.q_norm, self.eps)
             ops.head_rms_norm(qkv, nh, kvh, hd, self.k_norm, self.eps)

@@ -27,6 +27,7 @@ activations stay fp32; `weight_only_bf16=False` (or COBATCH_NO_NATIVE=1) convert
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 from pathlib import Path
 from typing import Mapping
@@ -37,7 +38,7 @@ import torch
 from cobatch.kernels.hugepages import move_to_huge_pages
 from cobatch.kernels.linear import can_pack
 from cobatch.kernels.quant_linear import FORMATS, QuantFormat, can_pack_blocks, is_quantized, pack_blocks
-from cobatch.models.llama import LlamaForCausalLM
+from cobatch.models.llama import DecoderLayer, LlamaForCausalLM
 from cobatch.models import quantization as quant
 from cobatch.models import requantize
 from cobatch.models.model_config import (SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, no_rope_every,
@@ -136,7 +137,7 @@ def build_model(config: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype:
             if layer.q_norm is not None and layer.k_norm is not None:
                 _fill(layer.q_norm, get(p + "self_attn.q_norm.weight"))
                 _fill(layer.k_norm, get(p + "self_attn.k_norm.weight"))
-            weight(layer.qkv_proj, [get(n + ".weight") for n in attn])
+            weight.qkv(layer, [get(n + ".weight") for n in attn])
             if layer.qkv_bias is not None:
                 _fill(layer.qkv_bias, torch.cat([get(n + ".bias") for n in attn]))
             weight(layer.o_proj, [get(p + "self_attn.o_proj.weight")])
@@ -158,6 +159,27 @@ class _WeightFiller:
         if quantization is not None and quantization not in FORMATS:
             raise ValueError(f"unsupported quantization {quantization!r}; supported: {sorted(FORMATS)}")
         self.quantization, self.weight_only_bf16 = quantization, weight_only_bf16
+
+    def qkv(self, layer: DecoderLayer, parts: list[torch.Tensor]) -> None:
+        """q | k | v. Where the parts are blocks in two formats, each run of rows in one (llama-quantize's Q4_K_M:
+        Q4_K q and k, a Q6_K v), each run stays in its format: qkv_proj the first, qkv_tail_proj the second
+        (two GEMMs, at their own bytes, where one format for all would be Q8_0's 8.5 bits a weight)."""
+        runs = [list(run) for _, run in itertools.groupby(parts, key=_block_format)]
+        formats = [_block_format(run[0]) for run in runs]
+        if len(runs) != 2 or None in formats:
+            self(layer.qkv_proj, parts)
+            return
+        in_features = layer.qkv_proj.shape[1]
+        head, tail = (sum(t.shape[0] for t in run) for run in runs)
+        if not all(can_pack_blocks(rows, in_features, fmt)  # type: ignore[arg-type]
+                   for rows, fmt in ((head, formats[0]), (tail, formats[1]))):
+            self(layer.qkv_proj, parts)
+            return
+        like = {"dtype": layer.qkv_proj.dtype, "device": layer.qkv_proj.device}
+        layer.qkv_proj.data = torch.empty(head, in_features, **like)
+        layer.qkv_tail_proj = torch.nn.Parameter(torch.empty(tail, in_features, **like), requires_grad=False)
+        self(layer.qkv_proj, runs[0])
+        self(layer.qkv_tail_proj, runs[1])
 
     def __call__(self, param: torch.nn.Parameter, parts: list[torch.Tensor]) -> None:
         formats = {_block_format(t) for t in parts}

@@ -13,7 +13,7 @@ def decoder_weights(model: LlamaForCausalLM) -> DecoderWeights:
     c = model.config
     layers = tuple(LayerWeights(layer.input_norm, layer.qkv_proj, layer.qkv_bias, layer.o_proj, layer.o_bias,
                                 layer.post_attention_norm, layer.gate_up_proj, layer.down_proj, layer.q_norm,
-                                layer.k_norm, layer.use_rope)
+                                layer.k_norm, layer.use_rope, layer.qkv_tail_proj)
                    for layer in model.layers)
     return DecoderWeights(layers, model.norm, model.rope_cos, model.rope_sin, c.hidden_size, c.intermediate_size,
                           c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)

@@ -147,6 +147,10 @@ typedef struct {
     void *k_cache, *v_cache; /* [blocks, block_size, kv heads, head_dim], laid out as the kernel reads */
     int64_t qkv_type, o_type, gate_up_type, down_type;
     int64_t skip_rope; /* 1: no RoPE on this layer's q and k (SmolLM3's NoPE layers) */
+    /* qkv's last qkv_tail_rows rows in a second quantized format (qkv_tail_type), packed apart; qkv holds the
+     * rows before them (NULL, 0: qkv holds all) */
+    const void *qkv_tail;
+    int64_t qkv_tail_type, qkv_tail_rows;
 } Layer;
 
 /* This step's batch: the attention metadata of models/attention.py, and the rows whose output is wanted
@@ -201,6 +205,9 @@ int gemm_quant_set_amx(int on);
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL), W packed from GGUF blocks; x, bias, y fp32 or bf16. */
 int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
                int64_t K, int is_bf16, int num_threads);
+/* The same into columns of a wider y: row m at y + m ldy (ldy >= N; a fused projection's rows in two formats). */
+int gemm_quant_strided(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t ldy, int64_t M,
+                       int64_t N, int64_t K, int is_bf16, int num_threads);
 /* GGUF blocks [N, K / block, block bytes] -> the packed layout, out of the same size. */
 int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, int num_threads);
 /* Rows ids [n] of the packed [N, K] weight, dequantized into out [n, K] (an embedding lookup). */

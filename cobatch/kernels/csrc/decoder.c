@@ -63,6 +63,21 @@ static int linear(const Shape *s, int64_t qtype, const void *x, const void *w, c
     return gemm_f32(x, w, bias, y, M, N, K, threads);
 }
 
+/* qkv = x Wqkv^T (+ b): one GEMM, or two where its last rows are in another quantized format (Layer.qkv_tail),
+ * each into its columns of qkv (and its part of the bias). */
+static int qkv_linear(const Shape *s, const Layer *l, const void *x, void *qkv, int64_t M, int64_t width,
+                      int threads) {
+    if (l->qkv_tail == NULL) return linear(s, l->qkv_type, x, l->qkv, l->qkv_bias, qkv, M, width, s->hidden, threads);
+    const int64_t head = width - l->qkv_tail_rows;
+    const size_t esize = s->is_bf16 ? 2 : 4;
+    const char *tail_bias = l->qkv_bias == NULL ? NULL : (const char *)l->qkv_bias + esize * head;
+    const int status = gemm_quant_strided(x, l->qkv, (int)l->qkv_type, l->qkv_bias, qkv, width, M, head,
+                                          s->hidden, (int)s->is_bf16, threads);
+    if (status) return status;
+    return gemm_quant_strided(x, l->qkv_tail, (int)l->qkv_tail_type, tail_bias, (char *)qkv + esize * head, width,
+                              M, l->qkv_tail_rows, s->hidden, (int)s->is_bf16, threads);
+}
+
 /* act = silu(x Wg^T) * (x Wu^T) on a gate/up-packed W of the given type (PACKED_DENSE or PACKED_F32_WBF16). */
 static int linear_silu(const Shape *s, int64_t type, const void *x, const void *w, void *act, int64_t M,
                        int threads) {
@@ -91,7 +106,7 @@ static int layer_forward(const Shape *s, const Layer *l, const Step *st, const B
     int status;
     add_rms_norm(first ? NULL : b->x, b->residual, l->input_norm, b->h, T, H, s->eps, bf16);
     TIMER(0);
-    status = linear(s, l->qkv_type, b->h, l->qkv, l->qkv_bias, b->qkv, T, qkv_width, H, threads);
+    status = qkv_linear(s, l, b->h, b->qkv, T, qkv_width, threads);
     if (status) return status;
     TIMER(1);
     const int64_t q_width = nh * hd;  /* K and V: the columns of qkv after q */

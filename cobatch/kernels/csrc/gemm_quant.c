@@ -1942,7 +1942,7 @@ typedef struct {
     const uint8_t *wq;
     void *y;
     int qtype, is_bf16, single, gz;
-    int64_t M, N, K, panels, groups, chunks, tasks;
+    int64_t M, N, K, ldy, panels, groups, chunks, tasks;
     QuantRows r;
 } QuantCall;
 
@@ -1950,7 +1950,7 @@ typedef struct {
  * task's first panels prefetched. Orphaned worksharing: a team runs it, or one thread alone (RUN_TEAM). */
 static void quant_call_run(QuantCall *c) {
     const int qtype = c->qtype, is_bf16 = c->is_bf16, gz = c->gz;
-    const int64_t M = c->M, N = c->N, K = c->K, panels = c->panels, groups = c->groups, chunks = c->chunks;
+    const int64_t M = c->M, K = c->K, ldy = c->ldy, panels = c->panels, groups = c->groups, chunks = c->chunks;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         quantize_row(c->x, is_bf16, m, &c->r);
@@ -1961,23 +1961,26 @@ static void quant_call_run(QuantCall *c) {
     for (int64_t task = 0; task < c->tasks; task++) {
         const int64_t g = task / chunks, m0 = task % chunks * MC, rows = M - m0 < MC ? M - m0 : MC;
         const int nz = (int)(panels - g * gz < gz ? panels - g * gz : gz);
-        void *y0 = (char *)c->y + (is_bf16 ? 2 : 4) * (size_t)(m0 * N);
+        void *y0 = (char *)c->y + (is_bf16 ? 2 : 4) * (size_t)(m0 * ldy);
         /* this thread's next task (static order): the next group, once this is the last chunk */
         const int64_t nz_next = g + 1 < groups ? (panels - (g + 1) * gz < gz ? panels - (g + 1) * gz : gz) : 0;
         const int is_last_chunk = m0 + MC >= M;
         const uint8_t *next = is_last_chunk && nz_next ? panel_block(qtype, c->wq, K, (g + 1) * gz, 0) : NULL;
         float *out = is_bf16 ? tmp : (float *)y0 + g * gz * NR;
-        tile_rows(qtype, &c->r, m0, rows, c->wq, K, g * gz, nz, out, is_bf16 ? nz * NR : N, next,
+        tile_rows(qtype, &c->r, m0, rows, c->wq, K, g * gz, nz, out, is_bf16 ? nz * NR : ldy, next,
                   nz_next * (K / BLOCK_K[qtype]) * PANEL_BYTES[qtype], prefetch_blocks(qtype, c->single));
-        if (is_bf16 || c->bias != NULL) finish_rows(tmp, rows, nz * NR, c->bias, y0, N, g * gz * NR, is_bf16);
+        if (is_bf16 || c->bias != NULL) finish_rows(tmp, rows, nz * NR, c->bias, y0, ldy, g * gz * NR, is_bf16);
     }
 }
 
-/* x [M, K] (fp32, or bf16 with is_bf16), the packed weight (layout above), bias [N] (x's dtype) or NULL ->
- * y [M, N] in x's dtype. Returns 0, -1 out of memory, -2 bad shape. */
 int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
                int64_t K, int is_bf16, int num_threads) {
-    if (!check_shape(qtype, N, K) || M <= 0) return -2;
+    return gemm_quant_strided(x, wq, qtype, bias, y, N, M, N, K, is_bf16, num_threads);
+}
+
+int gemm_quant_strided(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t ldy, int64_t M,
+                       int64_t N, int64_t K, int is_bf16, int num_threads) {
+    if (!check_shape(qtype, N, K) || M <= 0 || ldy < N) return -2;
     const int64_t span = IS_K_QUANT(qtype) ? KB : QB;  /* x's scale per span values (QuantRows) */
     QuantRows r = {malloc((size_t)(M * K)), malloc(sizeof(float) * (size_t)(M * K / span)),
                    malloc(sizeof(int16_t) * (size_t)(M * K / QB)), malloc(sizeof(int16_t) * (size_t)(M * K / 16)), K,
@@ -1991,7 +1994,8 @@ int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void 
     /* a group: the panels of one task (one in single-stream mode) */
     const int single = M <= single_stream_rows[qtype], gz = single ? 1 : NZ;
     const int64_t panels = N / NR, groups = (panels + gz - 1) / gz, chunks = (M + MC - 1) / MC;
-    QuantCall call = {x, bias, wq, y, qtype, is_bf16, single, gz, M, N, K, panels, groups, chunks, groups * chunks, r};
+    QuantCall call = {x, bias, wq, y, qtype, is_bf16, single, gz, M, N, K, ldy, panels, groups, chunks,
+                      groups * chunks, r};
     RUN_TEAM(team_size(num_threads, call.tasks), quant_call_run(&call));
     free(r.q), free(r.d), free(r.s), free(r.s16), free(r.qt);
     return 0;

@@ -18,7 +18,8 @@ static const FieldLayout LAYOUTS[] = {
     FIELD(Layer, o_bias), FIELD(Layer, post_norm), FIELD(Layer, gate_up), FIELD(Layer, down),
     FIELD(Layer, q_norm), FIELD(Layer, k_norm),
     FIELD(Layer, k_cache), FIELD(Layer, v_cache), FIELD(Layer, qkv_type), FIELD(Layer, o_type),
-    FIELD(Layer, gate_up_type), FIELD(Layer, down_type), FIELD(Layer, skip_rope),
+    FIELD(Layer, gate_up_type), FIELD(Layer, down_type), FIELD(Layer, skip_rope), FIELD(Layer, qkv_tail),
+    FIELD(Layer, qkv_tail_type), FIELD(Layer, qkv_tail_rows),
 
     STRUCT(Step), FIELD(Step, num_tokens), FIELD(Step, max_blocks), FIELD(Step, num_tiles),
     FIELD(Step, num_keep), FIELD(Step, num_own_writes), FIELD(Step, positions), FIELD(Step, slot_mapping),
