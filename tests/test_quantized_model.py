@@ -145,10 +145,10 @@ MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.10\.ffn_down=mxfp4", r"blk\.11\.ffn_do
 
 def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quantized_gguf) -> None:
     """An MXFP4 matrix becomes Q8_0 (requantized), and so does q | k | v of three runs of formats (Q4_0, Q8_0,
-    Q4_0); q | k | v of two (Q4_0 q, k; a Q5_0 v) keeps both, v apart; a TQ2_0 one IQ4_TAB (exactly), an IQ2_XXS one IQ2_GRID (IQ4_TAB without VBMI; exactly); a Q2_K,
-    Q3_K, Q5_0, Q5_1, Q5_K, Q6_K or IQ4_XS ffn_down and an IQ4_NL gate | up stay as they are (their values
-    exactly): no dense matrix, a little more than the file's bytes, greedy output ranked by its dequantized
-    weights as the plain files' is."""
+    Q4_0); q | k | v of two (Q4_0 q, k; a Q5_0 v) keeps both, v apart; a TQ2_0 one IQ4_TAB (exactly), an
+    IQ2_XXS one IQ2_GRID (IQ4_TAB without VBMI; exactly); a Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K or IQ4_XS
+    ffn_down and an IQ4_NL gate | up stay as they are (their values exactly): no dense matrix, a little more
+    than the file's bytes, greedy output ranked by its dequantized weights as the plain files' is."""
     path = quantized_gguf("q4_0", *MIX)
     llm = LLM(str(path), **ENGINE)
     model = _model(llm)
