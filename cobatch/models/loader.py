@@ -7,11 +7,13 @@ kernels/quant_linear.py) stays as its blocks, a uint8 [N, K / block, block_bytes
 keeps it packed, never dense (so the Q6_K lm_head, attn_v and ffn_down of llama-quantize's Q4_K_M mix stay
 Q6_K, and the Q5_1 matrices its Q5_K_M puts where K is no multiple of 256 stay Q5_1). In a file mostly in
 those formats (or in the i-quants' grid types), a matrix in another quantized type becomes blocks of a
-served one (models/requantize.py): IQ4_TAB holding an IQ2_XXS, IQ1_S, IQ3_XXS or IQ3_S matrix's values
-exactly, IQ4_TAB16 an IQ2_XS, IQ2_S or IQ1_M one's, else Q8_0, requantized from the dequantized values of
-the rest (exactly from an IQ4_NL matrix whose K is no multiple of 64), and so does a fused projection whose
-parts differ in format (exactly from Q4_0, Q5_0 and IQ4_NL parts): dense fp32 copies of them would hold 4-5x their bytes
-and be streamed every step. Other files are dequantized with `gguf`, and so is the bundled model
+served one (models/requantize.py): IQ4_TAB holding an IQ1_S, IQ3_XXS or IQ3_S matrix's values exactly (and
+an IQ2_XXS one's where the CPU lacks VBMI: else IQ2_GRID, its own grid), IQ4_TAB16 an IQ2_XS, IQ2_S or IQ1_M
+one's, else Q8_0, requantized from the dequantized values of the rest (exactly from an IQ4_NL matrix whose K
+is no multiple of 64), and so does a fused projection whose parts are in three formats or more (exactly from
+Q4_0, Q5_0 and IQ4_NL parts): dense fp32 copies of them would hold 4-5x their bytes and be streamed every
+step. A q | k | v in two formats keeps both: qkv_proj the rows in the first, qkv_tail_proj the rest
+(_WeightFiller.qkv). Other files are dequantized with `gguf`, and so is the bundled model
 (model_paths.is_bundled_model): it is the project's reference, served dense as its figures and its
 token-for-token match with HF transformers are, and is Q4_1 only because that is how its package ships it.
 `quantization` ("q8_0" | "q4_0") quantizes the dense projections and embeddings at load

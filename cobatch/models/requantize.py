@@ -1,7 +1,7 @@
 """GGUF matrices in types the quantized kernel does not serve -> blocks of a type it does, at load.
 
 A file mostly in served formats can hold a few matrices in others (llama-quantize's mixes), and a fused
-projection's parts can differ in format; they become blocks of a served type rather than dense copies
+projection's parts can be in three formats; they become blocks of a served type rather than dense copies
 (4-5x their bytes, streamed every step). Where the values fit a served type exactly, they are converted
 without loss: Q4_0, Q5_0 and IQ4_NL to Q8_0 (one fp16 scale per 32 weights, integer codes within int8),
 IQ2_XXS, IQ1_S, IQ3_XXS and IQ3_S to IQ4_TAB (their weights are an fp16 d times an integer scale per 32
