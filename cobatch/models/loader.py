@@ -163,9 +163,9 @@ class _WeightFiller:
         self.quantization, self.weight_only_bf16 = quantization, weight_only_bf16
 
     def qkv(self, layer: DecoderLayer, parts: list[torch.Tensor]) -> None:
-        """q | k | v. Where the parts are blocks in two formats, each run of rows in one (llama-quantize's Q4_K_M:
-        Q4_K q and k, a Q6_K v), each run stays in its format: qkv_proj the first, qkv_tail_proj the second
-        (two GEMMs, at their own bytes, where one format for all would be Q8_0's 8.5 bits a weight)."""
+        """q | k | v. Blocks in two formats, one run of parts after the other (llama-quantize's Q4_K_M: Q4_K q and
+        k, a Q6_K v), stay each in its own: qkv_proj the first run's rows, qkv_tail_proj the second's (two GEMMs
+        at their own bytes, where one format for all would be Q8_0's 8.5 bits a weight)."""
         runs = [list(run) for _, run in itertools.groupby(parts, key=_block_format)]
         formats = [_block_format(run[0]) for run in runs]
         if len(runs) != 2 or None in formats:
