@@ -19,9 +19,6 @@ import functools
 import gguf
 import numpy as np
 
-BLOCK_BYTES = 72
-LEVELS = np.array([8, 25, 43], np.float32)
-
 
 @functools.cache
 def grid() -> np.ndarray:

@@ -290,9 +290,10 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
 #define HAS_KSCALE(qtype) (HAS_MINS(qtype) || IS_XS(qtype) || IS_LOW2(qtype))
 /* The K-quants with a min per sub-block, subtracted once per 256-block as dmin dx sum_i min_i sum(q of i). */
 #define HAS_KMIN(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q2_K)
-/* Codes that are a signed int8 + 128 (Q8_0, IQ4_NL, IQ4_XS's codes): the AVX2 path multiplies |w| by x with w's
- * sign. */
-#define SIGNED_CODES(qtype) ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_NL || IS_XS(qtype) || XS_CODES(qtype))
+/* Codes that are a signed int8 + 128 (Q8_0, IQ4_NL, IQ4_XS's, IQ2_GRID's): the AVX2 path multiplies |w| by x with
+ * w's sign. */
+#define SIGNED_CODES(qtype) \
+    ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_NL || XS_CODES(qtype) || (qtype) == QUANT_IQ2_GRID)
 #define KB 256  /* weights per K-quant block, and per x scale for them */
 
 /* x quantized: codes [M, K] int8, a scale per `span` values (32, or KB for the K-quants) [M, K / span],
@@ -954,10 +955,10 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 
 /* IQ2_GRID's code vector g (= 2 i + h) of 32-block j. With VBMI: the 64 grid indices through half h of
  * IQ2_GRID_CODE by byte lookups (two 128-entry vpermi2b, the second under the mask of bit 7 over the first's
- * result, which keeps those lanes' indices: the same for each g of a half, so the compiler keeps them across the
- * unrolled g), each row's byte i spread to its 4 level numbers (vpmultishiftqb,
- * 2 bits apart), their values + 128 (vpermb on the low 6 bits, from a table of period 4), negated under the
- * sign mask (128 - value is 0 - (128 + value) in bytes). Else one code at a time. */
+ * result, which keeps those lanes' indices: the same for each g of a half, so the compiler keeps them across
+ * the unrolled g), each row's byte i spread to its 4 level numbers (vpmultishiftqb, 2 bits apart), their
+ * values + 128 (vpermb on the low 6 bits, from a table of period 4), negated under the sign mask (128 - value
+ * is 0 - (128 + value) in bytes). Else one code at a time. */
 INLINE __m512i iq2_codes(const uint8_t *blk, int j, int g) {
 #ifdef __AVX512VBMI__
     const uint8_t *v = blk + IQ2_CODES + 128 * j, *table = IQ2_GRID_CODE[g % 2];
@@ -1973,6 +1974,8 @@ static void quant_call_run(QuantCall *c) {
     }
 }
 
+/* x [M, K] (fp32, or bf16 with is_bf16), the packed weight (layout above), bias [N] (x's dtype) or NULL ->
+ * y [M, N] in x's dtype (row m at y + m ldy: _strided). Returns 0, -1 out of memory, -2 bad shape. */
 int gemm_quant(const void *x, const void *wq, int qtype, const void *bias, void *y, int64_t M, int64_t N,
                int64_t K, int is_bf16, int num_threads) {
     return gemm_quant_strided(x, wq, qtype, bias, y, N, M, N, K, is_bf16, num_threads);
@@ -2045,7 +2048,7 @@ static void pack_iq4_xs_codes(const uint8_t *src, int lane, uint8_t *dst) {
 }
 
 /* IQ2_GRID's 32-blocks of row lane (its row block: d | IQ4_XS's scales | per 32-block c at 8 + 8 c: 4 grid
- * indices | 4 sign bytes, bit k of byte i: K 8 i + k negative; models/requantize.py) -> idx and the sign masks
+ * indices | 4 sign bytes, bit k of byte i: K 8 i + k negative; models/iq2_grid.py) -> idx and the sign masks
  * (into a zeroed dst). */
 static void pack_iq2_grid(const uint8_t *src, int lane, uint8_t *dst) {
     for (int c = 0; c < 8; c++) {
