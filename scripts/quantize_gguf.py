@@ -9,7 +9,8 @@ models/quantization.py's plain one. As llama-quantize does, a matrix whose rows 
 (norms) stay F32. `--tensor-type REGEX=TYPE` (as llama-quantize's) writes the matrices whose GGUF name
 matches REGEX in TYPE instead, also in q5_0, q5_k or q6_k (the K-quants: K a multiple of 256), or in a
 type the kernel serves only through models/requantize.py, which gguf-py quantizes (tq2_0, K a multiple of
-256, and mxfp4) or models/iq2_grid.py does (iq2_xxs, K a multiple of 256): the mixed files that
+256, and mxfp4) or models/iq2_grid.py and models/iq1_trit.py do (iq2_xxs and iq1_s, K a multiple of 256): the
+mixed files that
 llama-quantize's Q4_K_M and the like are.
 
     .venv/bin/python scripts/quantize_gguf.py OUT.gguf --type q8_0|q4_0|q4_1|q5_1|q4_k [--model IN.gguf] \
@@ -26,7 +27,7 @@ import torch
 from dense_gguf import copy_metadata
 
 from cobatch.model_paths import resolve_model_path
-from cobatch.models import iq2_grid
+from cobatch.models import iq1_trit, iq2_grid
 from cobatch.models.quantization import GGUF_TYPES, quantize
 
 _FILE_TYPES = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
@@ -40,6 +41,8 @@ _OTHER_TYPES = {"tq2_0": gguf.GGMLQuantizationType.TQ2_0, "mxfp4": gguf.GGMLQuan
 def _blocks(values: np.ndarray, fmt: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
     if fmt == "iq2_xxs":  # gguf-py has no IQ2_XXS quantizer: the plain one of models/iq2_grid.py
         return iq2_grid.quantize_iq2_xxs(values), gguf.GGMLQuantizationType.IQ2_XXS
+    if fmt == "iq1_s":  # nor an IQ1_S one: models/iq1_trit.py's
+        return iq1_trit.quantize_iq1_s(values), gguf.GGMLQuantizationType.IQ1_S
     if fmt in _OTHER_TYPES:
         return gguf.quants.quantize(values, _OTHER_TYPES[fmt]), _OTHER_TYPES[fmt]
     return quantize(torch.from_numpy(values), fmt).numpy().reshape(values.shape[0], -1), GGUF_TYPES[fmt]
@@ -51,7 +54,7 @@ def _override(name: str, overrides: list[tuple[re.Pattern, str]]) -> str | None:
 
 def _parse_override(text: str) -> tuple[re.Pattern, str]:
     pattern, _, fmt = text.rpartition("=")
-    if fmt not in {*GGUF_TYPES, *_OTHER_TYPES, "iq2_xxs"}:
+    if fmt not in {*GGUF_TYPES, *_OTHER_TYPES, "iq2_xxs", "iq1_s"}:
         raise argparse.ArgumentTypeError(f"unknown type {fmt!r} in {text!r}")
     return re.compile(pattern), fmt
 

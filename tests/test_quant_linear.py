@@ -1,6 +1,6 @@
 """csrc/gemm_quant.c through kernels/quant_linear.py: the quantized GEMM against the GGUF weights as gguf-py
 dequantizes them (fp32/fp64 torch), for Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL and
-IQ4_XS (and the kernel's own IQ4_TAB, IQ4_TAB16, IQ2_GRID), any M, N not a multiple of the tile, 1 and 2
+IQ4_XS (and the kernel's own IQ4_TAB, IQ4_TAB16, IQ2_GRID, IQ1_TRIT), any M, N not a multiple of the tile, 1 and 2
 threads, bf16 and bias; the embedding rows; the plain C and AVX2 builds on the same layout."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from cobatch.kernels.cpu import cpu_flags
 from cobatch.kernels.quant_linear import (FORMATS, SINGLE_STREAM_ROWS, QuantGemm, is_quantized, native_quant_gemm,
                                           pack_blocks, quant_type, quantized_linear, quantized_rows, quantized_shape,
                                           tune_single_stream, tune_wide_tiles)
-from cobatch.models import iq2_grid
+from cobatch.models import iq1_trit, iq2_grid
 from cobatch.models.quantization import dequantize, quantize
 from cobatch.models.requantize import to_iq4_tab, to_q8_0
 
@@ -28,10 +28,12 @@ CASES = [("q8_0", 32), ("q8_0", 96), ("q4_0", 64), ("q4_0", 160), ("q4_k", 256),
          ("q4_1", 32), ("q4_1", 160), ("q5_1", 64), ("q5_1", 160), ("iq4_xs", 256), ("iq4_xs", 768),
          ("iq4_nl", 64), ("iq4_nl", 192), ("q3_k", 256), ("q3_k", 768), ("q2_k", 256), ("q2_k", 768),
          ("iq4_tab", 256), ("iq4_tab", 768), ("iq4_tab16", 256), ("iq4_tab16", 768), ("iq2_grid", 256),
-         ("iq2_grid", 768)]
+         ("iq2_grid", 768), ("iq1_trit", 256), ("iq1_trit", 768)]
 # the grid types the kernel's table formats are tested with
 GRID_OF = {"iq4_tab": gguf.GGMLQuantizationType.IQ3_S, "iq4_tab16": gguf.GGMLQuantizationType.IQ2_XS,
-           "iq2_grid": gguf.GGMLQuantizationType.IQ2_XXS}
+           "iq2_grid": gguf.GGMLQuantizationType.IQ2_XXS, "iq1_trit": gguf.GGMLQuantizationType.IQ1_S}
+# the kernel's formats that keep a grid type's own fields, from its bytes
+FROM_GRID = {"iq2_grid": iq2_grid.from_iq2_xxs, "iq1_trit": iq1_trit.from_iq1_s}
 # N: one panel, one full tile (3 panels), a tile of 3 and one of 2, several tiles ending on a single panel
 WIDTHS = (16, 48, 80, 112)
 # M: one row, below / at / past the micro-tile (4), past a task's chunk of rows (128)
@@ -45,8 +47,8 @@ def _weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torc
         rng = np.random.default_rng(seed)
         data = rng.integers(0, 256, size=(n, k // 256, gguf.GGML_QUANT_SIZES[kind][1]), dtype=np.uint8)
         data[..., :2] = np.float16(rng.uniform(-0.02, 0.02, size=(n, k // 256, 1))).view(np.uint8)  # any bytes
-        if fmt == "iq2_grid":  # every grid entry and sign, against gguf-py's own dequantization
-            blocks = torch.from_numpy(iq2_grid.from_iq2_xxs(data.reshape(n, -1)))
+        if fmt in FROM_GRID:  # every grid entry, sign and delta, against gguf-py's own dequantization
+            blocks = torch.from_numpy(FROM_GRID[fmt](data.reshape(n, -1)))
             dense = torch.from_numpy(gguf.quants.dequantize(data.reshape(n, -1), kind))
             assert torch.equal(dequantize(blocks, fmt), dense)
             return pack_blocks(blocks), dense
@@ -213,10 +215,10 @@ def test_embedding_rows_are_the_dequantized_rows(fmt: str) -> None:
 
 # Bounds on each quantizer's relative round-trip error on Gaussian weights, ~1.3x the values measured
 # (Q8_0 0.54%, Q6_K 1.9%, Q5_0 4.3%, Q5_1 3.8%, Q5_K 3.8%, Q4_0 8.6%, Q4_1 7.9%, Q4_K 7.9%, IQ4_XS 8.1%,
-# IQ4_NL 8.0%, Q3_K 15.5%, Q2_K 33%, IQ2_GRID 34%): a broken layout or rounding lands far above.
+# IQ4_NL 8.0%, Q3_K 15.5%, Q2_K 33%, IQ2_GRID 34%, IQ1_TRIT 46%): a broken layout or rounding lands far above.
 ROUND_TRIP_ERROR = {"q8_0": 0.007, "q6_k": 0.025, "q5_0": 0.055, "q5_1": 0.05, "q5_k": 0.05, "q4_0": 0.11,
                     "q4_1": 0.105, "q4_k": 0.105, "iq4_xs": 0.105, "iq4_nl": 0.105, "iq4_tab": 0.105,
-                    "iq4_tab16": 0.105, "q3_k": 0.2, "q2_k": 0.42, "iq2_grid": 0.44}
+                    "iq4_tab16": 0.105, "q3_k": 0.2, "q2_k": 0.42, "iq2_grid": 0.44, "iq1_trit": 0.6}
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

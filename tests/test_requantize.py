@@ -1,7 +1,7 @@
 """models/requantize.py: GGUF matrices of types the kernel does not serve become served blocks, IQ2_XXS,
 IQ1_S, IQ3_XXS, IQ3_S, TQ1_0 and TQ2_0 as IQ4_TAB, IQ2_XS, IQ2_S and IQ1_M as IQ4_TAB16, IQ2_XXS as IQ2_GRID
-where the CPU has VBMI, with the very values gguf-py dequantizes them to, the rest (MXFP4 here) as Q8_0; the
-loader takes that way for them and counts such files as served."""
+where the CPU has VBMI, IQ1_S as IQ1_TRIT, with the very values gguf-py dequantizes them to, the rest (MXFP4
+here) as Q8_0; the loader takes that way for them and counts such files as served."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cobatch.kernels.quant_linear import native_quant_gemm
-from cobatch.models import iq2_grid
+from cobatch.models import iq1_trit, iq2_grid
 from cobatch.models.loader import _gguf_tensor, _mostly_served
 from cobatch.models.quantization import dequantize
 from cobatch.models.requantize import D_LAST, PER_16, TABLES, to_iq4_tab, to_served
@@ -71,9 +71,21 @@ def test_iq2_xxs_becomes_iq2_grid_exactly() -> None:
     assert torch.equal(dequantize(blocks, "iq2_grid"), torch.from_numpy(gguf.quants.dequantize(data, kind)))
 
 
+def test_iq1_s_becomes_iq1_trit_exactly() -> None:
+    """IQ1_TRIT (2-bit codes g + 1, Q4_K's scale-and-min sums) holds IQ1_S's every value, at 70 bytes a
+    256-block: every grid entry, ls and delta sign the random bytes reach, d = 0, negative and subnormal."""
+    kind = gguf.GGMLQuantizationType.IQ1_S
+    data = _random_blocks(kind, 32, 1024, [0.01, -0.37, 0.0, 3.5e-3, 1.0, 3 * 2.0**-24, 1.5e-4])
+    blocks = torch.from_numpy(iq1_trit.from_iq1_s(data))
+    assert blocks.shape == (32, 4, 70)
+    assert torch.equal(dequantize(blocks, "iq1_trit"), torch.from_numpy(gguf.quants.dequantize(data, kind)))
+    assert torch.equal(to_served(data, kind), blocks)
+
+
 @pytest.mark.parametrize("kind", GRIDS, ids=lambda t: t.name)
 def test_the_loader_keeps_grid_types_as_iq4_tab_and_counts_them_served(kind: gguf.GGMLQuantizationType) -> None:
-    """IQ2_XXS as IQ2_GRID where the kernel has VBMI's byte lookups, every grid type else as IQ4_TAB(16)."""
+    """IQ1_S as IQ1_TRIT, IQ2_XXS as IQ2_GRID where the kernel has VBMI's byte lookups, every grid type else as
+    IQ4_TAB(16)."""
     data = _random_blocks(kind, 16, 512, [0.05])
     tensor = SimpleNamespace(data=data, tensor_type=kind, shape=np.array([512, 16]), n_bytes=data.nbytes)
     weight = _gguf_tensor(tensor, torch.float32, keep_blocks=True)
@@ -81,6 +93,8 @@ def test_the_loader_keeps_grid_types_as_iq4_tab_and_counts_them_served(kind: ggu
     kernel = native_quant_gemm()
     if kind == gguf.GGMLQuantizationType.IQ2_XXS and kernel is not None and kernel.byte_lookups:
         fmt, size = "iq2_grid", 72
+    if kind == gguf.GGMLQuantizationType.IQ1_S:
+        fmt, size = "iq1_trit", 70
     assert weight.shape == (16, 2, size)
     assert torch.equal(dequantize(weight, fmt), torch.from_numpy(gguf.quants.dequantize(data, kind)))
     other = SimpleNamespace(shape=[64, 64], n_bytes=data.nbytes // 2, tensor_type=gguf.GGMLQuantizationType.MXFP4)

@@ -1,7 +1,7 @@
 """Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS),
 for `--quantization` and the test files; and IQ4_TAB, the kernel's own: IQ4_XS's blocks, each with 4 bytes of
-a table of 16 values in eighths of d x scale (`with_table`; `dequantize` reads it back), and IQ2_GRID
-(models/iq2_grid.py: IQ2_XXS's grid kept).
+a table of 16 values in eighths of d x scale (`with_table`; `dequantize` reads it back), IQ2_GRID
+(models/iq2_grid.py: IQ2_XXS's grid kept) and IQ1_TRIT (models/iq1_trit.py: IQ1_S's weights as 2-bit codes).
 
 The 32-weight formats use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
 `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` / ..., so a folder quantized here holds the bytes
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from cobatch.kernels.quant_linear import FORMATS, QuantFormat
-from cobatch.models import iq2_grid
+from cobatch.models import iq1_trit, iq2_grid
 
 GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
               "q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_0": gguf.GGMLQuantizationType.Q5_0,
@@ -63,6 +63,8 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
         data = quantize_iq4_nl(values)
     elif name == "iq2_grid":
         data = iq2_grid.quantize(values)
+    elif name == "iq1_trit":
+        data = iq1_trit.quantize(values)
     elif name == "q3_k":
         data = quantize_q3_k(values)
     elif name == "q2_k":
@@ -78,6 +80,8 @@ def dequantize(blocks: torch.Tensor, name: str) -> torch.Tensor:
         return torch.from_numpy(dequantize_iq4_tab(blocks.numpy()))
     if name == "iq2_grid":
         return torch.from_numpy(iq2_grid.dequantize(blocks.numpy()))
+    if name == "iq1_trit":
+        return torch.from_numpy(iq1_trit.dequantize(blocks.numpy()))
     data = blocks.reshape(blocks.shape[0], -1).numpy()
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, GGUF_TYPES[name])))
 

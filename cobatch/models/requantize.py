@@ -4,10 +4,11 @@ A file mostly in served formats can hold a few matrices in others (llama-quantiz
 projection's parts can be in three formats; they become blocks of a served type rather than dense copies
 (4-5x their bytes, streamed every step). Where the values fit a served type exactly, they are converted
 without loss: Q4_0, Q5_0 and IQ4_NL to Q8_0 (one fp16 scale per 32 weights, integer codes within int8),
-IQ2_XXS, IQ1_S, IQ3_XXS and IQ3_S to IQ4_TAB (their weights are an fp16 d times an integer scale per 32
-weights times one of at most 16 grid values: IQ4_XS's layout with that table, at 4.375 bits a weight against
-Q8_0's 8.5; IQ2_XXS to IQ2_GRID instead, its own grid at 2.25 bits, where the CPU has AVX-512 VBMI:
-models/iq2_grid.py), and so do the ternary TQ1_0 and TQ2_0 (d times -1, 0 or 1, a scale of 1); IQ2_XS, IQ2_S
+IQ1_S to IQ1_TRIT (its ternary grid values as 2-bit codes, 2.19 bits a weight: models/iq1_trit.py), IQ2_XXS,
+IQ3_XXS and IQ3_S to IQ4_TAB (their weights are an fp16 d times an integer scale per 32 weights times one of at
+most 16 grid values: IQ4_XS's layout with that table, at 4.375 bits a weight against Q8_0's 8.5; IQ2_XXS to
+IQ2_GRID instead, its own grid at 2.25 bits, where the CPU has AVX-512 VBMI: models/iq2_grid.py), and so do the
+ternary TQ1_0 and TQ2_0 (d times -1, 0 or 1, a scale of 1); IQ2_XS, IQ2_S
 and IQ1_M (a scale per 16 weights) to IQ4_TAB16 (4.75 bits). Every other type (MXFP4, NVFP4, ...) is requantized to Q8_0
 from its dequantized values.
 """
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from cobatch.kernels.quant_linear import native_quant_gemm
-from cobatch.models import iq2_grid
+from cobatch.models import iq1_trit, iq2_grid
 from cobatch.models.quantization import IQ4_VALUES, pack_iq4_tab16, pack_iq4_xs, quantize, with_table
 
 _TYPE = gguf.GGMLQuantizationType
@@ -39,10 +40,13 @@ PER_16 = frozenset((_TYPE.IQ2_XS, _TYPE.IQ2_S, _TYPE.IQ1_M))
 
 
 def to_served(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """A GGUF matrix [N, row bytes] of a type the kernel does not serve -> IQ2_GRID blocks [N, K / 256, 72]
-    for IQ2_XXS where the kernel looks its grid up at speed; else IQ4_TAB blocks [N, K / 256, 140] holding its
-    values exactly where to_iq4_tab can, else Q8_0 blocks [N, K / 32, 34] (to_q8_0)."""
+    """A GGUF matrix [N, row bytes] of a type the kernel does not serve -> IQ1_TRIT blocks [N, K / 256, 70] for
+    IQ1_S; IQ2_GRID blocks [N, K / 256, 72] for IQ2_XXS where the kernel looks its grid up at speed; else IQ4_TAB
+    blocks [N, K / 256, 140] holding its values exactly where to_iq4_tab can, else Q8_0 blocks [N, K / 32, 34]
+    (to_q8_0)."""
     kernel = native_quant_gemm()
+    if tensor_type == _TYPE.IQ1_S:
+        return torch.from_numpy(iq1_trit.from_iq1_s(data))
     if tensor_type == _TYPE.IQ2_XXS and kernel is not None and kernel.byte_lookups:
         return torch.from_numpy(iq2_grid.from_iq2_xxs(data))
     blocks = to_iq4_tab(data, tensor_type) if tensor_type in TABLES else None

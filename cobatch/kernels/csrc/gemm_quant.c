@@ -1,6 +1,6 @@
 /* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 2.6 to 8.5 bits per
  * weight (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ4_TAB, IQ4_TAB16,
- * IQ2_GRID), x fp32 or bf16, fp32 accumulation.
+ * IQ2_GRID, IQ1_TRIT), x fp32 or bf16, fp32 accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
  * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
@@ -36,7 +36,10 @@
  *     IQ4_TAB16: IQ4_TAB's codes and table with Q6_K's d and int8 scale per 16 weights (two integer sums a
  *           32-block, as Q6_K): IQ2_XS, IQ2_S, IQ1_M;
  *     IQ2_GRID: IQ4_TAB's a, o and c (value + 128), the value looked up from IQ2_XXS's own grid index and
- *           sign bits (iq2_codes): IQ2_XXS at 2.25 bits a weight where the CPU has AVX-512 VBMI.
+ *           sign bits (iq2_codes): IQ2_XXS at 2.25 bits a weight where the CPU has AVX-512 VBMI;
+ *     IQ1_TRIT: c = IQ1_S's grid value + 1 (0..2, a 2-bit code), per 32-weight sub-block w = d s c - d / 8 min
+ *           with s = 2 ls + 1 and min = s (8 -+ 1) (IQ1_S's delta of +-1/8 folded in): Q4_K's sums with Q2_K's
+ *           codes, IQ1_S at 2.19 bits a weight (models/iq1_trit.py).
  *
  * Layout (kernels/quant_linear.py packs it once at load from GGUF's blocks; the same bytes, reordered): the
  * weight is cut into panels of 16 output rows, and each panel into its blocks along K (32 weights, K-quants:
@@ -72,6 +75,9 @@
  *     IQ4_TAB16 (2432 bytes): d[16] fp16 | scales[16][16] int8 as Q6_K's | 32 unused | per 32-block c:
  *                       qs[4][16][4] as IQ4_XS's | table[16][4] as IQ4_TAB's
  *     IQ2_GRID (1152 bytes): IQ4_XS's d and scales | per 32-block c: idx[16][4] | neg[8][8] (IQ2_CODES)
+ *     IQ1_TRIT (1120 bytes): d[16] fp16 | scales[16][4]: row l's 4 bytes, byte b's low nibble sub-block b's
+ *                       (ls | 8 where its delta is negative), its high nibble sub-block 4 + b's | then per
+ *                       32-block c: low[2][16][4] as Q2_K's
  *     Q6_K (3360 bytes): d[16] fp16 | scales[16][16] int8 (sub-block s of lane l at 16 s + l) | then per
  *                       32-block c (0..7) of the super-block, per half h: v[3][16][4]: byte (r, l, t) =
  *                       the code of K 32 c + 16 h + 4 r + t in bits 0..5, and bits 2 r, 2 r + 1 of the
@@ -156,14 +162,16 @@
 /* Bytes of one panel block and weights per format block. */
 static const int64_t PANEL_BYTES[QUANT_NUM_TYPES] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176,
                                                      NR * 20, NR * 24, NR * 136, NR * 36, NR * 110, NR * 84,
-                                                     NR * 140, NR * 152, NR * 72};
-static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256, 256, 256, 256, 256};
+                                                     NR * 140, NR * 152, NR * 72, NR * 70};
+static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256, 256, 256, 256, 256,
+                                                 256};
 /* Every format, for the per-format tile copies (QTILE_FN) and their table by qtype: X(name, qtype). */
 #define QUANT_FORMATS(X)                                                                                     \
     X(tile_q8_0, QUANT_Q8_0) X(tile_q4_0, QUANT_Q4_0) X(tile_q4_k, QUANT_Q4_K) X(tile_q5_0, QUANT_Q5_0)      \
     X(tile_q6_k, QUANT_Q6_K) X(tile_q5_k, QUANT_Q5_K) X(tile_q4_1, QUANT_Q4_1) X(tile_q5_1, QUANT_Q5_1)      \
     X(tile_iq4_xs, QUANT_IQ4_XS) X(tile_iq4_nl, QUANT_IQ4_NL) X(tile_q3_k, QUANT_Q3_K) X(tile_q2_k, QUANT_Q2_K)    \
-    X(tile_iq4_tab, QUANT_IQ4_TAB) X(tile_iq4_tab16, QUANT_IQ4_TAB16) X(tile_iq2_grid, QUANT_IQ2_GRID)
+    X(tile_iq4_tab, QUANT_IQ4_TAB) X(tile_iq4_tab16, QUANT_IQ4_TAB16) X(tile_iq2_grid, QUANT_IQ2_GRID)         \
+    X(tile_iq1_trit, QUANT_IQ1_TRIT)
 #define QTILE_ENTRY(NAME, QT) [QT] = NAME,
 /* Where the 4-bit codes of 32-block j (and of its pair's other half) start in a Q4_K / Q5_K panel block.
  * Q5_K's pair of 32-blocks keeps its first block's fifth bits (K5_HB) before the codes and its second's
@@ -181,6 +189,10 @@ static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 
 
 /* Q3_K and Q2_K: 2-bit codes regrouped alike (Q3_K's third bit apart), 16 scales a 256-block unpacked at once. */
 #define IS_LOW2(qtype) ((qtype) == QUANT_Q3_K || (qtype) == QUANT_Q2_K)
+/* The formats with Q2_K's 2-bit code vectors (IQ1_TRIT's with 8 scales a 256-block), and where 32-block j's start. */
+#define HAS_LOW2(qtype) (IS_LOW2(qtype) || (qtype) == QUANT_IQ1_TRIT)
+#define LOW2_AT(qtype, j) \
+    ((qtype) == QUANT_Q3_K ? Q3_CODES + 192 * (j) : (qtype) == QUANT_Q2_K ? Q2_CODES + 128 * (j) : T1_CODES + 128 * (j))
 /* Integer sums per 32-block: 2 for Q6_K, Q3_K, Q2_K (one per 16-weight sub-block, each with its own scale),
  * else 1. */
 /* Q6_K's int8 scale per 16 weights at 32 + 16 s + l (q6_scales) */
@@ -216,6 +228,10 @@ static inline int sums_per_block(int qtype) { return Q6_SCALES(qtype) || IS_LOW2
     ((qtype) == QUANT_IQ4_TAB || (qtype) == QUANT_IQ4_TAB16 || (qtype) == QUANT_IQ2_GRID ? 0.125f : 1.0f)
 #define Q3_CODES 224   /* where a Q3_K panel block's codes start (after d and the scales), 192 bytes a 32-block */
 #define Q2_CODES 320   /* where a Q2_K panel block's codes start (after d, dmin, the scales), 128 bytes a 32-block */
+#define T1_CODES 96    /* where an IQ1_TRIT panel block's codes start (after d and the scales), as Q2_K's */
+/* IQ1_TRIT's min of a scale nibble n (ls | 8 where IQ1_S's delta is -1/8): s (8 - delta 8), s = 2 ls + 1, in units
+ * of d / 8 (w = d s c - d / 8 min, c = g + 1: d s (g + delta) exactly) */
+static const uint8_t T1_MIN[16] = {7, 21, 35, 49, 63, 77, 91, 105, 9, 27, 45, 63, 81, 99, 117, 135};
 /* IQ2_GRID: IQ2_XXS's weights kept as the file has them, a grid index per 8 weights (w = d s / 8 x sign x g, g in
  * {8, 25, 43}: llama.cpp's iq2xxs_grid), their signs a bit each (IQ2_XXS's 7 and the parity bit it leaves out),
  * 2.25 bits a weight against IQ4_TAB's 4.375. Per 32-block c (0..7), at IQ2_CODES + 128 c:
@@ -285,11 +301,11 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
 
 /* The K-quants (256-weight blocks whose sub-blocks carry integer scales): x is quantized per 256 for them,
  * so a whole block's integer sums add up as integers before one fp32 step (llama.cpp's Q8_K). */
-#define IS_K_QUANT(qtype) (HAS_MINS(qtype) || Q6_SCALES(qtype) || IS_XS(qtype) || IS_LOW2(qtype))
+#define IS_K_QUANT(qtype) (HAS_MINS(qtype) || Q6_SCALES(qtype) || IS_XS(qtype) || HAS_LOW2(qtype))
 /* The K-quants whose sub-block scales are unpacked once per 256-block (kscale), rather than read per 32. */
-#define HAS_KSCALE(qtype) (HAS_MINS(qtype) || IS_XS(qtype) || IS_LOW2(qtype))
+#define HAS_KSCALE(qtype) (HAS_MINS(qtype) || IS_XS(qtype) || HAS_LOW2(qtype))
 /* The K-quants with a min per sub-block, subtracted once per 256-block as dmin dx sum_i min_i sum(q of i). */
-#define HAS_KMIN(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q2_K)
+#define HAS_KMIN(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q2_K || (qtype) == QUANT_IQ1_TRIT)
 /* Codes that are a signed int8 + 128 (Q8_0, IQ4_NL, IQ4_XS's, IQ2_GRID's): the AVX2 path multiplies |w| by x with
  * w's sign. */
 #define SIGNED_CODES(qtype) \
@@ -419,7 +435,7 @@ static inline float code_offset(int qtype) {
     case QUANT_Q6_K: return 32.0f;
     case QUANT_Q3_K: return 4.0f;
     case QUANT_Q5_0: return 16.0f;
-    case QUANT_Q4_1: case QUANT_Q5_1: case QUANT_Q2_K: return 0.0f;
+    case QUANT_Q4_1: case QUANT_Q5_1: case QUANT_Q2_K: case QUANT_IQ1_TRIT: return 0.0f;
     default: return 8.0f;
     }
 }
@@ -446,8 +462,20 @@ static inline void q2_scale_min(const uint8_t *blk, int lane, int s, int *sc, in
     *sc = byte & 0xf, *mn = byte >> 4;
 }
 
+/* IQ1_TRIT: sub-block i's (0..7) scale nibble of row lane, ls | 8 where its delta is negative. */
+static inline int t1_nibble(const uint8_t *blk, int lane, int i) {
+    return (blk[32 + 4 * lane + i % 4] >> (4 * (i / 4))) & 0xf;
+}
+
 /* The weight w = a c - b at K index k (0..31) of 32-block j (of the panel block at blk) for row lane. */
 static void block_ab(int qtype, const uint8_t *blk, int lane, int j, int k, float *a, float *b) {
+    if (qtype == QUANT_IQ1_TRIT) {
+        const int n = t1_nibble(blk, lane, j % 8);
+        const float d = f16_to_f32(load_u16(blk + 2 * lane));
+        *a = d * (float)(2 * (n & 7) + 1);
+        *b = d * 0.125f * (float)T1_MIN[n];
+        return;
+    }
     if (Q6_SCALES(qtype)) {
         const int8_t sc = (int8_t)q6_scales(blk, j, k / 16)[lane];
         *a = f16_to_f32(load_u16(blk + 2 * lane)) * D_UNIT(qtype) * (float)sc;
@@ -507,7 +535,8 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
         const uint8_t *v = blk + Q3_CODES + 192 * (j % 8);
         return ((v[64 * (g / 4) + 4 * lane + t] >> (2 * (g % 4))) & 3) | (((v[128 + 4 * lane + t] >> g) & 1) << 2);
     }
-    if (qtype == QUANT_Q2_K) return (blk[Q2_CODES + 128 * (j % 8) + 64 * (g / 4) + 4 * lane + t] >> (2 * (g % 4))) & 3;
+    if (qtype == QUANT_Q2_K || qtype == QUANT_IQ1_TRIT)
+        return (blk[LOW2_AT(qtype, j % 8) + 64 * (g / 4) + 4 * lane + t] >> (2 * (g % 4))) & 3;
     if (IS_NIBBLE_32(qtype)) {
         const int low = (blk[NIBBLES_AT(qtype) + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf;
         return IS_FIFTH_32(qtype) ? low | (((blk[FIFTH_AT(qtype) + 4 * lane + t] >> g) & 1) << 4) : low;
@@ -559,8 +588,8 @@ INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
         return ((load_lanes(v + 64 * (g / 4)) >> (2 * (g % 4))) & 0x03030303u) |
                (((load_lanes(v + 128) >> g) & 0x01010101u) << 2);
     }
-    if (qtype == QUANT_Q2_K)
-        return (load_lanes(blk + Q2_CODES + 128 * (j % 8) + 64 * (g / 4)) >> (2 * (g % 4))) & 0x03030303u;
+    if (qtype == QUANT_Q2_K || qtype == QUANT_IQ1_TRIT)
+        return (load_lanes(blk + LOW2_AT(qtype, j % 8) + 64 * (g / 4)) >> (2 * (g % 4))) & 0x03030303u;
     if (XS_CODES(qtype) || qtype == QUANT_IQ4_NL) {  /* each index through the table */
         const int at = XS_CODES(qtype) ? CODES_AT(qtype) + 256 * (j % 8) : 32;
         const LaneWords v = (load_lanes(blk + at + 64 * (g % 4)) >> (g < 4 ? 0 : 4)) & 0x0f0f0f0fu;
@@ -596,10 +625,15 @@ INLINE void block_codes(int qtype, const uint8_t *blk, int j, LaneInts ct[QB]) {
     }
 }
 
-/* The K-quants' integer scales of 32-block j, per lane: Q4_K / Q5_K its scale and min, Q6_K and Q3_K each
- * half's scale (sc[0], sc[1]), Q2_K each half's scale and min, IQ4_XS its scale. */
+/* The K-quants' integer scales of 32-block j, per lane: Q4_K / Q5_K / IQ1_TRIT its scale and min, Q6_K and Q3_K
+ * each half's scale (sc[0], sc[1]), Q2_K each half's scale and min, IQ4_XS its scale. */
 INLINE void k_scales(int qtype, const uint8_t *blk, int j, LaneInts sc[2], LaneInts mn[2]) {
     for (int lane = 0; lane < NR; lane++) {
+        if (qtype == QUANT_IQ1_TRIT) {
+            const int n = t1_nibble(blk, lane, j % 8);
+            sc[0][lane] = 2 * (n & 7) + 1, mn[0][lane] = T1_MIN[n];
+            continue;
+        }
         if (qtype == QUANT_Q2_K) {
             for (int hf = 0; hf < 2; hf++) {
                 int s, m;
@@ -677,7 +711,8 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
                 if (IS_K_QUANT(qtype) && j % 8 == 7) {
                     y += __builtin_convertvector(ksum[m], LaneFloats) * (fp16_lanes(blk) * (D_UNIT(qtype) * dx));
                     if (HAS_KMIN(qtype))
-                        y -= __builtin_convertvector(kmin[m], LaneFloats) * (fp16_lanes(blk + 32) * dx);
+                        y -= __builtin_convertvector(kmin[m], LaneFloats) *
+                             ((qtype == QUANT_IQ1_TRIT ? fp16_lanes(blk) * 0.125f : fp16_lanes(blk + 32)) * dx);
                 }
                 memcpy(out + m * ldo + z * NR, &y, sizeof y);
             }
@@ -705,8 +740,8 @@ INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
         iq2_code_bytes(blk, j, g, bytes);
         return load256(bytes + 32 * h);
     }
-    if (qtype == QUANT_Q2_K) {
-        const __m256i v = load256(blk + Q2_CODES + 128 * j + 64 * (g / 4) + 32 * h);
+    if (qtype == QUANT_Q2_K || qtype == QUANT_IQ1_TRIT) {
+        const __m256i v = load256(blk + LOW2_AT(qtype, j) + 64 * (g / 4) + 32 * h);
         return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (g % 4)), _mm256_set1_epi8(3));
     }
     if (qtype == QUANT_Q3_K) {  /* the low bits, then the third as Q5_0's fifth */
@@ -794,6 +829,14 @@ INLINE void q2_scale_min_half(const uint8_t *blk, int s, int h, __m256i *sc, __m
     *mn = _mm256_and_si256(_mm256_srli_epi32(v, 4), _mm256_set1_epi32(0xf));
 }
 
+/* IQ1_TRIT: half h of sub-block i's scale 2 ls + 1 and min s (8 -+ 1), one per lane (t1_nibble, T1_MIN). */
+INLINE void t1_scale_min_half(const uint8_t *blk, int i, int h, __m256i *sc, __m256i *mn) {
+    const __m256i n = _mm256_srl_epi32(load256(blk + 32 + 32 * h), _mm_cvtsi32_si128(8 * (i % 4) + 4 * (i / 4)));
+    *sc = _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(n, _mm256_set1_epi32(7)), 1), _mm256_set1_epi32(1));
+    const __m256i neg = _mm256_and_si256(_mm256_srli_epi32(n, 3), _mm256_set1_epi32(1));  /* 8 + 1, else 8 - 1 */
+    *mn = _mm256_mullo_epi32(*sc, _mm256_add_epi32(_mm256_set1_epi32(7), _mm256_slli_epi32(neg, 1)));
+}
+
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* The code vectors whose vpmaddubsw pair sums (int16) can be added before one vpmaddwd widens them: a pair
@@ -801,7 +844,7 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
  * 6-bit; Q8_0's |w| <= 128 leaves room for one. A third fewer instructions per 4-bit vector; the sums stay
  * exact integers, so the bits are the same. */
 INLINE int pairs_per_widen(int qtype) {
-    if (qtype == QUANT_Q4_0 || qtype == QUANT_Q4_1 || qtype == QUANT_Q4_K) return 8;
+    if (qtype == QUANT_Q4_0 || qtype == QUANT_Q4_1 || qtype == QUANT_Q4_K || qtype == QUANT_IQ1_TRIT) return 8;
     if (IS_FIFTH_32(qtype) || qtype == QUANT_Q5_K || IS_LOW2(qtype)) return 4;  /* Q3_K, Q2_K: 4-vector halves */
     return qtype == QUANT_Q6_K ? 2 : 1;
 }
@@ -838,6 +881,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         __m256i sc[2][2], mn[2][2];
         for (int h = 0; h < 2; h++) {
             if (HAS_MINS(qtype)) k4_scale_min_half(blk, jj, h, &sc[0][h], &mn[0][h]);
+            if (qtype == QUANT_IQ1_TRIT) t1_scale_min_half(blk, jj, h, &sc[0][h], &mn[0][h]);
             if (qtype == QUANT_Q2_K)
                 for (int hf = 0; hf < 2; hf++) q2_scale_min_half(blk, 2 * jj + hf, h, &sc[hf][h], &mn[hf][h]);
             if (IS_XS(qtype)) sc[0][h] = iq4_scale_half(blk, jj, h);
@@ -903,7 +947,9 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
         for (int h = 0; h < 2; h++) {
             __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
             if (D_UNIT(qtype) != 1.0f) a = _mm256_mul_ps(a, _mm256_set1_ps(D_UNIT(qtype)));
-            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+            const __m256 dmin = qtype == QUANT_IQ1_TRIT  /* its min in eighths of d */
+                                    ? _mm256_mul_ps(a, _mm256_set1_ps(0.125f))
+                                    : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
 #pragma GCC unroll 4
             for (int m = 0; m < mr; m++) {
                 const __m256 dx = _mm256_set1_ps(x->d[X_SCALE_AT(qtype, x, m0 + m, j)]);
@@ -988,13 +1034,13 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g, int one_sum) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return _mm512_loadu_si512(blk + 32 + 64 * g);
     if (qtype == QUANT_IQ2_GRID) return iq2_codes(blk, j, g);
-    if (IS_LOW2(qtype)) {
+    if (HAS_LOW2(qtype)) {
         /* the low bits: bits 2 (g % 4), + 1 of vector g / 4; Q3_K's third bit g of the hb byte moved to bit 2
          * and put in (0xF8: A | (B & C)). g is a literal (each half its own block_half): shifts by constants */
-        const uint8_t *v = blk + (qtype == QUANT_Q3_K ? Q3_CODES + 192 * j : Q2_CODES + 128 * j);
+        const uint8_t *v = blk + LOW2_AT(qtype, j);
         const __m512i raw = _mm512_loadu_si512(v + 64 * (g / 4));
         const __m512i lo = _mm512_and_si512(g % 4 ? _mm512_srli_epi16(raw, 2 * (g % 4)) : raw, _mm512_set1_epi8(3));
-        if (qtype == QUANT_Q2_K) return lo;
+        if (qtype != QUANT_Q3_K) return lo;
         const __m512i hb = _mm512_loadu_si512(v + 128);
         const __m512i third = g < 2 ? _mm512_slli_epi16(hb, 2 - g) : g > 2 ? _mm512_srli_epi16(hb, g - 2) : hb;
         return _mm512_ternarylogic_epi32(lo, third, _mm512_set1_epi8(4), 0xF8);
@@ -1061,7 +1107,7 @@ INLINE __m512i k4_scale(const __m512i sm[2], int jj) {
                             _mm512_set1_epi32(0xff));
 }
 
-/* Q4_K, Q5_K, Q2_K: sum over a 256-block's sub-blocks i of min_i sum(q of sub-block i), per lane, as
+/* Q4_K, Q5_K, Q2_K, IQ1_TRIT: sum over a 256-block's sub-blocks i of min_i sum(q of sub-block i), per lane, as
  * integers: the mins (a byte each, 4 to a lane's word: Q4_K's 8 in 2 vectors, Q2_K's 16 in 4) as 16-bit
  * pairs (vpshufb: bytes 2 p, 2 p + 1 of each lane, zero-extended) times x's pairs of sub-block sums (bs:
  * the block's 8 32-block sums or 16 16-block sums, int16), by vpdpwssd. */
@@ -1115,6 +1161,25 @@ INLINE void q2_unpack(const uint8_t *blk, __m512i sc[16]) {
                                  _mm512_set1_epi32(0xf));
 }
 
+/* IQ1_TRIT: a 256-block's 8 sub-block scales 2 ls + 1 (t1_nibble), a vector each. */
+INLINE void t1_unpack(const uint8_t *blk, __m512i sc[8]) {
+    const __m512i v = _mm512_loadu_si512(blk + 32);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        const __m512i ls = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (i % 4) + 4 * (i / 4)), _mm512_set1_epi32(7));
+        sc[i] = _mm512_or_si512(_mm512_slli_epi32(ls, 1), _mm512_set1_epi32(1));
+    }
+}
+
+/* IQ1_TRIT: a 256-block's 8 mins as k_min_sum wants them (byte i of lane l in mins[h]: sub-block 4 h + i's), each
+ * its scale nibble's T1_MIN by a byte shuffle. */
+INLINE void t1_mins(const uint8_t *blk, __m512i mins[2]) {
+    const __m512i v = _mm512_loadu_si512(blk + 32), low = _mm512_set1_epi8(0x0f);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)T1_MIN));
+    mins[0] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+    mins[1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi32(v, 4), low));
+}
+
 INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* The bytes the NZ panel streams will read PREFETCH_J 32-blocks from now, into L1: a micro-tile that reads
@@ -1150,8 +1215,8 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
 #ifndef L1_NEAR
 #define L1_NEAR 4
 #endif
-static int single_prefetch[QUANT_NUM_TYPES] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-_Static_assert(QUANT_NUM_TYPES == 15, "single_prefetch starts at 1 for each format");
+static int single_prefetch[QUANT_NUM_TYPES] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+_Static_assert(QUANT_NUM_TYPES == 16, "single_prefetch starts at 1 for each format");
 
 void gemm_quant_set_single_prefetch_for(int qtype, int level) {
     if (qtype >= 0 && qtype < QUANT_NUM_TYPES) single_prefetch[qtype] = level;
@@ -1200,8 +1265,11 @@ INLINE void k_block_end(int qtype, const QuantRows *x, int64_t m0, int mr, const
         if (D_UNIT(qtype) != 1.0f) d = _mm512_mul_ps(d, _mm512_set1_ps(D_UNIT(qtype)));
         __m512 dmin = _mm512_setzero_ps();
         __m512i mins[4];  /* Q4_K, Q5_K: k4_unpack's 2; Q2_K: 4 vectors of 4 mins a lane */
-        if (HAS_KMIN(qtype)) dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[z] + 32)));
+        if (HAS_KMIN(qtype))  /* IQ1_TRIT's mins are in eighths of d */
+            dmin = qtype == QUANT_IQ1_TRIT ? _mm512_mul_ps(d, _mm512_set1_ps(0.125f))
+                                           : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[z] + 32)));
         if (HAS_MINS(qtype)) k4_unpack(blk[z], 1, mins);
+        if (qtype == QUANT_IQ1_TRIT) t1_mins(blk[z], mins);
         if (qtype == QUANT_Q2_K)
             for (int t = 0; t < 4; t++)
                 mins[t] = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(blk[z] + 64 + 64 * t), 4),
@@ -1212,8 +1280,8 @@ INLINE void k_block_end(int qtype, const QuantRows *x, int64_t m0, int mr, const
             float *y = out + m * ldo + z * NR;
             __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ksum[m * NZ + z]), _mm512_mul_ps(d, dx), _mm512_loadu_ps(y));
             if (HAS_KMIN(qtype)) {
-                const __m512i ms = HAS_MINS(qtype) ? k_min_sum(mins, 2, x->s + (m0 + m) * (x->K / QB) + j - 7)
-                                                   : k_min_sum(mins, 4, x->s16 + (m0 + m) * (x->K / 16) + 2 * (j - 7));
+                const __m512i ms = qtype != QUANT_Q2_K ? k_min_sum(mins, 2, x->s + (m0 + m) * (x->K / QB) + j - 7)
+                                                       : k_min_sum(mins, 4, x->s16 + (m0 + m) * (x->K / 16) + 2 * (j - 7));
                 v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dmin, dx), v);
             }
             _mm512_storeu_ps(y, v);
@@ -1323,6 +1391,7 @@ INLINE void k_block(int qtype, const QuantRows *x, int64_t m0, int mr, const uin
         if (IS_XS(qtype)) iq4_unpack(blk0[z], kscale[z]);
         if (qtype == QUANT_Q3_K) q3_unpack(blk0[z], kscale[z]);
         if (qtype == QUANT_Q2_K) q2_unpack(blk0[z], kscale[z]);
+        if (qtype == QUANT_IQ1_TRIT) t1_unpack(blk0[z], kscale[z]);
     }
     const int halves = sums_per_block(qtype);
     for (int jj = 0; jj < KB / QB; jj++) {
@@ -1599,6 +1668,7 @@ INLINE void amx_k_decode(int qtype, const uint8_t *w, int64_t K, int64_t p, int6
     if (IS_XS(qtype)) iq4_unpack(blk, kscale);
     if (qtype == QUANT_Q3_K) q3_unpack(blk, kscale);
     if (qtype == QUANT_Q2_K) q2_unpack(blk, kscale);
+    if (qtype == QUANT_IQ1_TRIT) t1_unpack(blk, kscale);
     for (int jj = 0; jj < DECODED_BLOCKS; jj++) {
         tile_prefetch(qtype, &blk, 1, j0 + jj, stream, none);
 #pragma GCC unroll 8
@@ -2024,17 +2094,19 @@ static const Piece PIECES[QUANT_NUM_TYPES][5] = {
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 4, 4}, {136, TAB_AT, 4, 4}}, /* IQ4_TAB: IQ4_XS's | table share */
     {{0, 0, 2, 2}, {2, 32, 16, 1}, {146, TAB16_AT, 4, 4}},             /* IQ4_TAB16: d | scales | table share */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 4, 4}},                      /* IQ2_GRID: IQ4_XS's (idx, neg: below) */
+    {{0, 0, 2, 2}, {2, 32, 4, 4}},                                     /* IQ1_TRIT: d | scales (codes: below) */
 };
 
-/* Q3_K's and Q2_K's 256 codes of row lane (GGUF: Q3_K hmask[32] | qs[64] | scales[12] | d, Q2_K scales[16] |
- * qs[64] | d | dmin; K 128 n + 32 i + l (l < 32) has its low 2 bits at bit 2 i of qs[32 n + l], Q3_K its
- * third at bit 4 n + i of hmask[l]) -> the packed vectors (into a zeroed dst). */
+/* Q3_K's, Q2_K's and IQ1_TRIT's 256 codes of row lane (GGUF: Q3_K hmask[32] | qs[64] | scales[12] | d, Q2_K
+ * scales[16] | qs[64] | d | dmin, IQ1_TRIT d | scales[4] | qs[64]; K 128 n + 32 i + l (l < 32) has its low 2 bits
+ * at bit 2 i of qs[32 n + l], Q3_K its third at bit 4 n + i of hmask[l]) -> the packed vectors (into a zeroed
+ * dst). */
 static void pack_low2_codes(int qtype, const uint8_t *src, int lane, uint8_t *dst) {
-    const uint8_t *qs = src + (qtype == QUANT_Q3_K ? 32 : 16);
+    const uint8_t *qs = src + (qtype == QUANT_Q3_K ? 32 : qtype == QUANT_Q2_K ? 16 : 6);
     for (int k = 0; k < 256; k++) {
         const int n = k / 128, i = k % 128 / 32, l = k % 32;
         const int low = (qs[32 * n + l] >> (2 * i)) & 3, g = k % 32 / 4, t = k % 4;
-        uint8_t *v = dst + (qtype == QUANT_Q3_K ? Q3_CODES + 192 * (k / 32) : Q2_CODES + 128 * (k / 32));
+        uint8_t *v = dst + LOW2_AT(qtype, k / 32);
         v[64 * (g / 4) + 4 * lane + t] |= (uint8_t)(low << (2 * (g % 4)));
         if (qtype == QUANT_Q3_K) v[128 + 4 * lane + t] |= (uint8_t)(((src[l] >> (4 * n + i)) & 1) << g);
     }
@@ -2110,7 +2182,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
         for (int64_t j = 0; j < nb; j++) {
             uint8_t *dst = (uint8_t *)out + (p * nb + j) * PANEL_BYTES[qtype];
             /* the formats whose bits are ORed in (and IQ4_TAB16's gap) */
-            if (qtype == QUANT_Q6_K || qtype == QUANT_Q5_K || IS_LOW2(qtype) || qtype == QUANT_IQ4_TAB16 ||
+            if (qtype == QUANT_Q6_K || qtype == QUANT_Q5_K || HAS_LOW2(qtype) || qtype == QUANT_IQ4_TAB16 ||
                 qtype == QUANT_IQ2_GRID)
                 memset(dst, 0, (size_t)PANEL_BYTES[qtype]);
             for (int l = 0; l < NR; l++) {
@@ -2127,7 +2199,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
                 if (XS_CODES(qtype) && qtype != QUANT_IQ4_TAB16) pack_iq4_xs_codes(src + 8, l, dst + IQ4_CODES);
                 if (qtype == QUANT_IQ2_GRID) pack_iq2_grid(src, l, dst);
                 if (qtype == QUANT_IQ4_TAB16) pack_iq4_xs_codes(src + 18, l, dst + TAB16_CODES);
-                if (IS_LOW2(qtype)) pack_low2_codes(qtype, src, l, dst);
+                if (HAS_LOW2(qtype)) pack_low2_codes(qtype, src, l, dst);
             }
             if (qtype == QUANT_Q8_0) /* int8 -> code + 128: the kernel's unsigned operand */
                 for (int i = 32; i < PANEL_BYTES[qtype]; i++) dst[i] ^= 0x80;
