@@ -7,8 +7,9 @@ rounding, every matrix), or to llama-quantize's own mixes (q4_k_m: Q4_K with Q6_
 where llama.cpp puts them; q5_k_m: Q5_K with Q6_K / Q5_1 / Q8_0; iq4_xs: IQ4_XS with Q6_K / Q5_K / Q8_0,
 IQ4_NL where K is no multiple of 256; q3_k_m: Q3_K with Q4_K / Q5_K / Q6_K; q2_k: Q2_K with Q3_K / Q4_K /
 Q6_K; iq3_m: IQ3_S with Q4_K / Q6_K; iq2_xxs: IQ2_XXS with Q4_K / Q2_K / Q5_K; iq1_s: IQ1_S with IQ2_XXS /
-Q4_K / Q2_K / Q5_K; iq2_xs: IQ2_XS with Q4_K / Q2_K / Q5_K; needs `build/bin/llama-quantize`, and for
-the last three, which it refuses without an importance matrix, a uniform one: every input weighed alike,
+Q4_K / Q2_K / Q5_K; iq2_xs: IQ2_XS with Q4_K / Q2_K / Q5_K; q6_k: Q6_K (all but a few small tensors); needs
+`build/bin/llama-quantize`, and for the i-quants' iq2_xxs, iq1_s and iq2_xs, which it refuses without an
+importance matrix, a uniform one: every input weighed alike,
 as the other quantizers here do). Both servers then load the very same file. Against each, in turn, one server up at a time:
 
     single   one stream: --num-single requests one after another
@@ -59,7 +60,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DENSE = ("bf16", "f32")
 # format -> llama-quantize's type name
 LLAMA_QUANTIZE_MIXES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "iq4_xs": "IQ4_XS", "q3_k_m": "Q3_K_M",
-                        "q2_k": "Q2_K", "iq3_m": "IQ3_M", "iq2_xxs": "IQ2_XXS", "iq1_s": "IQ1_S", "iq2_xs": "IQ2_XS"}
+                        "q2_k": "Q2_K", "iq3_m": "IQ3_M", "iq2_xxs": "IQ2_XXS", "iq1_s": "IQ1_S", "iq2_xs": "IQ2_XS",
+                        "q6_k": "Q6_K"}
 NEEDS_IMATRIX = ("iq2_xxs", "iq1_s", "iq2_xs")
 QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_1", "q4_k", *LLAMA_QUANTIZE_MIXES)
 SERVERS = ("llama-server", "cobatch")
