@@ -1,7 +1,7 @@
 """csrc/gemm_quant.c through kernels/quant_linear.py: the quantized GEMM against the GGUF weights as gguf-py
 dequantizes them (fp32/fp64 torch), for Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL and
-IQ4_XS (and the kernel's own IQ4_TAB, IQ4_TAB16, IQ2_GRID, IQ1_TRIT), any M, N not a multiple of the tile, 1 and 2
-threads, bf16 and bias; the embedding rows; the plain C and AVX2 builds on the same layout."""
+IQ4_XS (and the kernel's own IQ4_TAB, IQ4_TAB16, IQ3_TAB16, IQ2_GRID, IQ1_TRIT), any M, N not a multiple of the
+tile, 1 and 2 threads, bf16 and bias; the embedding rows; the plain C and AVX2 builds on the same layout."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ CASES = [("q8_0", 32), ("q8_0", 96), ("q4_0", 64), ("q4_0", 160), ("q4_k", 256),
          ("q4_1", 32), ("q4_1", 160), ("q5_1", 64), ("q5_1", 160), ("iq4_xs", 256), ("iq4_xs", 768),
          ("iq4_nl", 64), ("iq4_nl", 192), ("q3_k", 256), ("q3_k", 768), ("q2_k", 256), ("q2_k", 768),
          ("iq4_tab", 256), ("iq4_tab", 768), ("iq4_tab16", 256), ("iq4_tab16", 768), ("iq2_grid", 256),
-         ("iq2_grid", 768), ("iq1_trit", 256), ("iq1_trit", 768)]
+         ("iq2_grid", 768), ("iq1_trit", 256), ("iq1_trit", 768), ("iq3_tab16", 256), ("iq3_tab16", 768)]
 # the grid types the kernel's table formats are tested with
-GRID_OF = {"iq4_tab": gguf.GGMLQuantizationType.IQ3_S, "iq4_tab16": gguf.GGMLQuantizationType.IQ2_XS,
+GRID_OF = {"iq4_tab": gguf.GGMLQuantizationType.IQ3_S, "iq3_tab16": gguf.GGMLQuantizationType.IQ2_XS,
            "iq2_grid": gguf.GGMLQuantizationType.IQ2_XXS, "iq1_trit": gguf.GGMLQuantizationType.IQ1_S}
 # the kernel's formats that keep a grid type's own fields, from its bytes
 FROM_GRID = {"iq2_grid": iq2_grid.from_iq2_xxs, "iq1_trit": iq1_trit.from_iq1_s}
@@ -215,10 +215,11 @@ def test_embedding_rows_are_the_dequantized_rows(fmt: str) -> None:
 
 # Bounds on each quantizer's relative round-trip error on Gaussian weights, ~1.3x the values measured
 # (Q8_0 0.54%, Q6_K 1.9%, Q5_0 4.3%, Q5_1 3.8%, Q5_K 3.8%, Q4_0 8.6%, Q4_1 7.9%, Q4_K 7.9%, IQ4_XS 8.1%,
-# IQ4_NL 8.0%, Q3_K 15.5%, Q2_K 33%, IQ2_GRID 34%, IQ1_TRIT 46%): a broken layout or rounding lands far above.
+# IQ4_NL 8.0%, Q3_K and IQ3_TAB16 15.5%, Q2_K 33%, IQ2_GRID 34%, IQ1_TRIT 46%): a broken layout or rounding lands
+# far above.
 ROUND_TRIP_ERROR = {"q8_0": 0.007, "q6_k": 0.025, "q5_0": 0.055, "q5_1": 0.05, "q5_k": 0.05, "q4_0": 0.11,
                     "q4_1": 0.105, "q4_k": 0.105, "iq4_xs": 0.105, "iq4_nl": 0.105, "iq4_tab": 0.105,
-                    "iq4_tab16": 0.105, "q3_k": 0.2, "q2_k": 0.42, "iq2_grid": 0.44, "iq1_trit": 0.6}
+                    "iq4_tab16": 0.105, "q3_k": 0.2, "iq3_tab16": 0.2, "q2_k": 0.42, "iq2_grid": 0.44, "iq1_trit": 0.6}
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

@@ -1,5 +1,5 @@
 """models/requantize.py: GGUF matrices of types the kernel does not serve become served blocks, IQ2_XXS,
-IQ1_S, IQ3_XXS, IQ3_S, TQ1_0 and TQ2_0 as IQ4_TAB, IQ2_XS, IQ2_S and IQ1_M as IQ4_TAB16, IQ2_XXS as IQ2_GRID
+IQ1_S, IQ3_XXS, IQ3_S, TQ1_0 and TQ2_0 as IQ4_TAB, IQ2_XS, IQ2_S and IQ1_M as IQ3_TAB16, IQ2_XXS as IQ2_GRID
 where the CPU has VBMI, IQ1_S as IQ1_TRIT, with the very values gguf-py dequantizes them to, the rest (MXFP4
 here) as Q8_0; the loader takes that way for them and counts such files as served."""
 
@@ -45,7 +45,7 @@ def test_grid_types_become_iq4_tab_exactly(kind: gguf.GGMLQuantizationType) -> N
     is in eighths) and every ls, grid entry, sign (IQ1_S: delta) the random bytes reach."""
     data = _random_blocks(kind, 32, 1024, [0.01, -0.37, 0.0, 3.5e-3, 1.0, 3 * 2.0**-24, 1.5e-4])
     blocks = to_iq4_tab(data, kind)
-    fmt, size = ("iq4_tab16", 152) if kind in PER_16 else ("iq4_tab", 140)
+    fmt, size = ("iq3_tab16", 118) if kind in PER_16 else ("iq4_tab", 140)
     assert blocks is not None and blocks.shape == (32, 4, size)
     assert torch.equal(dequantize(blocks, fmt), torch.from_numpy(gguf.quants.dequantize(data, kind)))
 
@@ -84,12 +84,12 @@ def test_iq1_s_becomes_iq1_trit_exactly() -> None:
 
 @pytest.mark.parametrize("kind", GRIDS, ids=lambda t: t.name)
 def test_the_loader_keeps_grid_types_as_iq4_tab_and_counts_them_served(kind: gguf.GGMLQuantizationType) -> None:
-    """IQ1_S as IQ1_TRIT, IQ2_XXS as IQ2_GRID where the kernel has VBMI's byte lookups, every grid type else as
-    IQ4_TAB(16)."""
+    """IQ1_S as IQ1_TRIT, IQ2_XXS as IQ2_GRID where the kernel has VBMI's byte lookups, IQ2_XS, IQ2_S and IQ1_M as
+    IQ3_TAB16, every grid type else as IQ4_TAB."""
     data = _random_blocks(kind, 16, 512, [0.05])
     tensor = SimpleNamespace(data=data, tensor_type=kind, shape=np.array([512, 16]), n_bytes=data.nbytes)
     weight = _gguf_tensor(tensor, torch.float32, keep_blocks=True)
-    fmt, size = ("iq4_tab16", 152) if kind in PER_16 else ("iq4_tab", 140)
+    fmt, size = ("iq3_tab16", 118) if kind in PER_16 else ("iq4_tab", 140)
     kernel = native_quant_gemm()
     if kind == gguf.GGMLQuantizationType.IQ2_XXS and kernel is not None and kernel.byte_lookups:
         fmt, size = "iq2_grid", 72

@@ -1,16 +1,17 @@
 """Linear layers on weights kept in GGUF blocks (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
 IQ4_NL, IQ4_XS; and IQ4_TAB, IQ4_XS's layout with its own table of 16 values, which holds IQ2_XXS, IQ1_S,
-IQ3_XXS and IQ3_S weights exactly, and IQ4_TAB16, its twin with a scale per 16 weights, for IQ2_XS, IQ2_S and
-IQ1_M: models/requantize.py; IQ2_GRID, IQ2_XXS's own grid indices, where the CPU has AVX-512 VBMI:
-models/iq2_grid.py; and IQ1_TRIT, IQ1_S's weights as 2-bit codes: models/iq1_trit.py): csrc/gemm_quant.c.
+IQ3_XXS and IQ3_S weights exactly, IQ4_TAB16, its twin with a scale per 16 weights, and IQ3_TAB16, that
+with 3-bit indices, which holds IQ2_XS, IQ2_S and IQ1_M: models/requantize.py; IQ2_GRID, IQ2_XXS's own grid
+indices, where the CPU has AVX-512 VBMI: models/iq2_grid.py; and IQ1_TRIT, IQ1_S's weights as 2-bit codes:
+models/iq1_trit.py): csrc/gemm_quant.c.
 
 A weight arrives as GGUF's blocks, a uint8 tensor [N, K / block, block_bytes] (one row of blocks per
 output; `raw_blocks` views a GGUF tensor so). `pack_blocks` reorders those bytes once, at load, into
 the kernel's panels of 16 rows: the packed tensor [N / 16, K / block, 16 block_bytes] holds the same
 number of bytes (gemm_quant.c documents the layout; a Q8_0 code also has its sign bit flipped). Its last
 dimension names the format (544, 288, 320, 1344, 1760, 2304, 352, 384, 2816, 3360, 576, 2176, 2240, 2432, 1152,
-1120 bytes), so a packed weight is a plain uint8 Parameter and needs no side record: `is_quantized`, `quant_type` and
-`quantized_shape` read it off the shape.
+1120, 1888 bytes), so a packed weight is a plain uint8 Parameter and needs no side record: `is_quantized`,
+`quant_type` and `quantized_shape` read it off the shape.
 
 `quantized_linear(x, packed, bias)` runs the kernel on fp32 or bf16 x; `quantized_rows` dequantizes rows
 (an embedding lookup; a tied lm_head reads the same table through the kernel). Weights stay quantized
@@ -74,7 +75,10 @@ FORMATS = {f.name: f for f in (QuantFormat("q8_0", 0, 32, 34), QuantFormat("q4_0
                                # IQ2_XXS's grid indices and signs, IQ4_XS's d and scales (models/iq2_grid.py)
                                QuantFormat("iq2_grid", 14, 256, 72),
                                # IQ1_S's grid values + 1 as 2-bit codes, its scales and deltas (models/iq1_trit.py)
-                               QuantFormat("iq1_trit", 15, 256, 70))}
+                               QuantFormat("iq1_trit", 15, 256, 70),
+                               # IQ4_TAB16's fields with a 3-bit index as Q3_K's codes: d | 16 scales | hmask |
+                               # qs | share (requantize.py)
+                               QuantFormat("iq3_tab16", 16, 256, 118))}
 _BY_PANEL_BYTES = {f.panel_bytes: f for f in FORMATS.values()}
 
 

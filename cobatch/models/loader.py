@@ -8,7 +8,7 @@ keeps it packed, never dense (so the Q6_K lm_head, attn_v and ffn_down of llama-
 Q6_K, and the Q5_1 matrices its Q5_K_M puts where K is no multiple of 256 stay Q5_1). In a file mostly in
 those formats (or in the i-quants' grid types), a matrix in another quantized type becomes blocks of a
 served one (models/requantize.py): IQ1_TRIT holding an IQ1_S matrix's values exactly (2-bit codes), IQ4_TAB an
-IQ3_XXS or IQ3_S one's (and an IQ2_XXS one's where the CPU lacks VBMI: else IQ2_GRID, its own grid), IQ4_TAB16
+IQ3_XXS or IQ3_S one's (and an IQ2_XXS one's where the CPU lacks VBMI: else IQ2_GRID, its own grid), IQ3_TAB16
 an IQ2_XS, IQ2_S or IQ1_M one's, else Q8_0, requantized from the dequantized values of the rest (exactly from an
 IQ4_NL matrix whose K is no multiple of 64), and so does a fused projection whose parts are in three formats or more (exactly from
 Q4_0, Q5_0 and IQ4_NL parts): dense fp32 copies of them would hold 4-5x their bytes and be streamed every
@@ -312,7 +312,7 @@ def _gguf_tensor(t: object, dtype: torch.dtype, keep_blocks: bool) -> torch.Tens
     """A GGUF tensor as GGUF blocks [N, K / block, block_bytes] (uint8, copied out of the file's mapping)
     where keep_blocks and the quantized kernel serves its type, as blocks of a served type where keep_blocks
     and it is a matrix of another quantized type, or of IQ4_NL with K no multiple of its 64-weight unit
-    (requantize.to_served: IQ1_TRIT / IQ2_GRID / IQ4_TAB / IQ4_TAB16 exactly from the grid types, else Q8_0); a
+    (requantize.to_served: IQ1_TRIT / IQ2_GRID / IQ4_TAB / IQ3_TAB16 exactly from the grid types, else Q8_0); a
     BF16 one as bf16 (build_model keeps or converts it: weight-only bf16); else dequantized into `dtype`."""
     import gguf
 

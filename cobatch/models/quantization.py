@@ -59,6 +59,9 @@ def quantize(weight: torch.Tensor, name: str) -> torch.Tensor:
     elif name == "iq4_tab16":  # the same, each 32-weight scale twice
         d, scale, index = _xs_fields(quantize_iq4_xs(values).reshape(values.shape[0], -1, 136))
         data = pack_iq4_tab16(d * np.float16(8), np.repeat(scale, 2, axis=-1), index, IQ4_VALUES)
+    elif name == "iq3_tab16":  # Q3_K's rounding, its codes' values (in eighths) as the table
+        d, sc, codes = _signed_sub_blocks(values, 4, 32)
+        data = pack_iq3_tab16(d, sc, codes.reshape(*d.shape, 256), 8 * (np.arange(8, dtype=np.int16) - 4))
     elif name == "iq4_nl":
         data = quantize_iq4_nl(values)
     elif name == "iq2_grid":
@@ -78,6 +81,8 @@ def dequantize(blocks: torch.Tensor, name: str) -> torch.Tensor:
     """GGUF blocks [N, nb, block_bytes] -> the dense [N, K] fp32 weight (gguf-py's dequantization)."""
     if name in ("iq4_tab", "iq4_tab16"):
         return torch.from_numpy(dequantize_iq4_tab(blocks.numpy()))
+    if name == "iq3_tab16":
+        return torch.from_numpy(dequantize_iq3_tab16(blocks.numpy()))
     if name == "iq2_grid":
         return torch.from_numpy(iq2_grid.dequantize(blocks.numpy()))
     if name == "iq1_trit":
@@ -119,6 +124,35 @@ def _indices(qs: np.ndarray) -> np.ndarray:
     nibbles, 16..31 in the high ones)."""
     qs = qs.reshape(*qs.shape[:2], 8, 16)
     return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def pack_iq3_tab16(d: np.ndarray, sc: np.ndarray, index: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """IQ3_TAB16 blocks [n, sb, 118] from fp16 d [n, sb], int8 scales per 16 weights [n, sb, 16], 3-bit table indices
+    [n, sb, 256] (K order) and the table (at most 8 values, as with_table's): d | scales | hmask [32] | qs [64] as
+    Q3_K's (K 128 h + 32 i + l: its low 2 bits at bit 2 i of qs[32 h + l], its third at bit 4 h + i of hmask[l]) |
+    share."""
+    codes = index.reshape(*d.shape, 2, 4, 32).astype(np.uint8)
+    qs = ((codes & 3) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)  # [n, sb, 2, 32]
+    bit = (4 * np.arange(2)[:, None] + np.arange(4)[None, :]).astype(np.uint8)[..., None]
+    hmask = ((codes >> 2) << bit).sum(axis=(-3, -2), dtype=np.uint8)  # [n, sb, 32]
+    head = np.concatenate([d[..., None].view(np.uint8), sc.astype(np.int8).view(np.uint8), hmask,
+                           qs.reshape(*d.shape, 64)], axis=-1)
+    return with_table(head, np.concatenate([table, np.zeros(16 - len(table), table.dtype)]))
+
+
+def dequantize_iq3_tab16(blocks: np.ndarray) -> np.ndarray:
+    """IQ3_TAB16 blocks [N, nb, 118] (N a multiple of 4) -> [N, nb * 256] fp32: d x scale x table[index] / 8 per
+    16 weights, the table from the first 4 rows' shares."""
+    n, nb = blocks.shape[:2]
+    table = blocks[:4, :, 114:118].transpose(1, 0, 2).reshape(nb, 16).astype(np.float32) - 128  # [nb, 16]
+    d, scale = blocks[..., :2].copy().view(np.float16)[..., 0], blocks[..., 2:18].view(np.int8)
+    low = (blocks[..., 50:114].reshape(n, nb, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    bit = (4 * np.arange(2)[:, None] + np.arange(4)[None, :]).astype(np.uint8)[..., None]
+    third = (blocks[..., None, None, 18:50] >> bit) & 1  # [n, nb, 2, 4, 32]
+    index = (low | (third << 2)).reshape(n, nb, 1, 256).astype(np.int64)
+    values = np.take_along_axis(table[None, :, None, :], index, axis=-1).reshape(n, nb, 16, 16)
+    step = d.astype(np.float32)[..., None] * scale.astype(np.float32)
+    return (step[..., None] * values / np.float32(8)).reshape(n, -1)
 
 
 def dequantize_iq4_tab(blocks: np.ndarray) -> np.ndarray:

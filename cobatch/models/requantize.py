@@ -8,9 +8,10 @@ IQ1_S to IQ1_TRIT (its ternary grid values as 2-bit codes, 2.19 bits a weight: m
 IQ3_XXS and IQ3_S to IQ4_TAB (their weights are an fp16 d times an integer scale per 32 weights times one of at
 most 16 grid values: IQ4_XS's layout with that table, at 4.375 bits a weight against Q8_0's 8.5; IQ2_XXS to
 IQ2_GRID instead, its own grid at 2.25 bits, where the CPU has AVX-512 VBMI: models/iq2_grid.py), and so do the
-ternary TQ1_0 and TQ2_0 (d times -1, 0 or 1, a scale of 1); IQ2_XS, IQ2_S
-and IQ1_M (a scale per 16 weights) to IQ4_TAB16 (4.75 bits). Every other type (MXFP4, NVFP4, ...) is requantized to Q8_0
-from its dequantized values.
+ternary TQ1_0 and TQ2_0 (d times -1, 0 or 1, a scale of 1); IQ2_XS, IQ2_S and IQ1_M (a scale per 16 weights,
+6 values) to IQ3_TAB16 (IQ4_TAB16's scales and table with 3-bit indices in Q3_K's layout: 3.69 bits, against
+IQ4_TAB16's 4.75, which a 16-value table with a scale per 16 weights would take). Every other type (MXFP4, NVFP4,
+...) is requantized to Q8_0 from its dequantized values.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 
 from cobatch.kernels.quant_linear import native_quant_gemm
 from cobatch.models import iq1_trit, iq2_grid
-from cobatch.models.quantization import IQ4_VALUES, pack_iq4_tab16, pack_iq4_xs, quantize, with_table
+from cobatch.models.quantization import (IQ4_VALUES, pack_iq3_tab16, pack_iq4_tab16, pack_iq4_xs, quantize,
+                                         with_table)
 
 _TYPE = gguf.GGMLQuantizationType
 EXACT_IN_Q8_0 = frozenset((_TYPE.Q4_0, _TYPE.Q5_0, _TYPE.IQ4_NL))
@@ -35,7 +37,7 @@ TABLES = {_TYPE.IQ2_XXS: np.array([8, 25, 43], np.int16), _TYPE.IQ1_S: np.array(
           _TYPE.TQ1_0: np.array([0, 8, 16], np.int16), _TYPE.TQ2_0: np.array([0, 8, 16], np.int16)}
 # the types whose fp16 d is their blocks' last 2 bytes
 D_LAST = frozenset((_TYPE.TQ1_0, _TYPE.TQ2_0))
-# those with a scale per 16 weights: IQ4_TAB16
+# those with a scale per 16 weights: IQ3_TAB16 (IQ4_TAB16 for a table of more than 8 values)
 PER_16 = frozenset((_TYPE.IQ2_XS, _TYPE.IQ2_S, _TYPE.IQ1_M))
 
 
@@ -77,8 +79,9 @@ def to_q8_0(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.T
 
 def to_iq4_tab(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor | None:
     """An IQ2_XXS, IQ1_S, IQ3_XXS, IQ3_S, TQ1_0 or TQ2_0 matrix [N, row bytes] -> IQ4_TAB blocks
-    [N, K / 256, 140] of the same values; an IQ2_XS, IQ2_S or IQ1_M one -> IQ4_TAB16 blocks [N, K / 256, 152]
-    (None, then Q8_0, should one not come back exactly).
+    [N, K / 256, 140] of the same values; an IQ2_XS, IQ2_S or IQ1_M one (6 values) -> IQ3_TAB16 blocks
+    [N, K / 256, 118] (IQ4_TAB16 [N, K / 256, 152] past 8 values) (None, then Q8_0, should one not come back
+    exactly).
 
     Each is w = d x s x c / 8 per 32 weights (16: PER_16): d the file's fp16 d, s = 2 ls + 1 (ls: the type's
     3- or 4-bit scale), c one of at most 16 integers (TABLES: IQ4_TAB's table is in eighths):
@@ -101,6 +104,8 @@ def to_iq4_tab(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torc
     if not np.array_equal(table[index] * step, values):
         return None
     index = index.reshape(n, -1, 8, 32)
+    if tensor_type in PER_16 and 2 * len(magnitudes) <= 8:  # 3-bit indices: IQ3_TAB16
+        return torch.from_numpy(pack_iq3_tab16(d, scale, index.reshape(n, -1, 256), table[:8])).view(n, -1, 118)
     if tensor_type in PER_16:
         return torch.from_numpy(pack_iq4_tab16(d, scale, index, table)).view(n, -1, 152)
     xs = pack_iq4_xs(d, scale, index)

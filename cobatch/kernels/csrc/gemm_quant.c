@@ -1,6 +1,6 @@
 /* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 2.6 to 8.5 bits per
  * weight (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ4_TAB, IQ4_TAB16,
- * IQ2_GRID, IQ1_TRIT), x fp32 or bf16, fp32 accumulation.
+ * IQ2_GRID, IQ1_TRIT, IQ3_TAB16), x fp32 or bf16, fp32 accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
  * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
@@ -39,7 +39,9 @@
  *           sign bits (iq2_codes): IQ2_XXS at 2.25 bits a weight where the CPU has AVX-512 VBMI;
  *     IQ1_TRIT: c = IQ1_S's grid value + 1 (0..2, a 2-bit code), per 32-weight sub-block w = d s c - d / 8 min
  *           with s = 2 ls + 1 and min = s (8 -+ 1) (IQ1_S's delta of +-1/8 folded in): Q4_K's sums with Q2_K's
- *           codes, IQ1_S at 2.19 bits a weight (models/iq1_trit.py).
+ *           codes, IQ1_S at 2.19 bits a weight (models/iq1_trit.py);
+ *     IQ3_TAB16: IQ4_TAB16's scales, table, a and o, the index 3 bits in Q3_K's code layout: IQ2_XS, IQ2_S and
+ *           IQ1_M (6 values each) at 3.69 bits a weight against IQ4_TAB16's 4.75.
  *
  * Layout (kernels/quant_linear.py packs it once at load from GGUF's blocks; the same bytes, reordered): the
  * weight is cut into panels of 16 output rows, and each panel into its blocks along K (32 weights, K-quants:
@@ -78,6 +80,8 @@
  *     IQ1_TRIT (1120 bytes): d[16] fp16 | scales[16][4]: row l's 4 bytes, byte b's low nibble sub-block b's
  *                       (ls | 8 where its delta is negative), its high nibble sub-block 4 + b's | then per
  *                       32-block c: low[2][16][4] as Q2_K's
+ *     IQ3_TAB16 (1888 bytes): d[16] fp16 | scales[16][16] int8 as Q6_K's | per 32-block c: low[2][16][4] |
+ *                       hb[16][4] as Q3_K's (the table index) | table[16][4] as IQ4_TAB's
  *     Q6_K (3360 bytes): d[16] fp16 | scales[16][16] int8 (sub-block s of lane l at 16 s + l) | then per
  *                       32-block c (0..7) of the super-block, per half h: v[3][16][4]: byte (r, l, t) =
  *                       the code of K 32 c + 16 h + 4 r + t in bits 0..5, and bits 2 r, 2 r + 1 of the
@@ -162,16 +166,16 @@
 /* Bytes of one panel block and weights per format block. */
 static const int64_t PANEL_BYTES[QUANT_NUM_TYPES] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176,
                                                      NR * 20, NR * 24, NR * 136, NR * 36, NR * 110, NR * 84,
-                                                     NR * 140, NR * 152, NR * 72, NR * 70};
+                                                     NR * 140, NR * 152, NR * 72, NR * 70, NR * 118};
 static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256, 256, 256, 256, 256,
-                                                 256};
+                                                 256, 256};
 /* Every format, for the per-format tile copies (QTILE_FN) and their table by qtype: X(name, qtype). */
 #define QUANT_FORMATS(X)                                                                                     \
     X(tile_q8_0, QUANT_Q8_0) X(tile_q4_0, QUANT_Q4_0) X(tile_q4_k, QUANT_Q4_K) X(tile_q5_0, QUANT_Q5_0)      \
     X(tile_q6_k, QUANT_Q6_K) X(tile_q5_k, QUANT_Q5_K) X(tile_q4_1, QUANT_Q4_1) X(tile_q5_1, QUANT_Q5_1)      \
     X(tile_iq4_xs, QUANT_IQ4_XS) X(tile_iq4_nl, QUANT_IQ4_NL) X(tile_q3_k, QUANT_Q3_K) X(tile_q2_k, QUANT_Q2_K)    \
     X(tile_iq4_tab, QUANT_IQ4_TAB) X(tile_iq4_tab16, QUANT_IQ4_TAB16) X(tile_iq2_grid, QUANT_IQ2_GRID)         \
-    X(tile_iq1_trit, QUANT_IQ1_TRIT)
+    X(tile_iq1_trit, QUANT_IQ1_TRIT) X(tile_iq3_tab16, QUANT_IQ3_TAB16)
 #define QTILE_ENTRY(NAME, QT) [QT] = NAME,
 /* Where the 4-bit codes of 32-block j (and of its pair's other half) start in a Q4_K / Q5_K panel block.
  * Q5_K's pair of 32-blocks keeps its first block's fifth bits (K5_HB) before the codes and its second's
@@ -191,12 +195,15 @@ static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 
 #define IS_LOW2(qtype) ((qtype) == QUANT_Q3_K || (qtype) == QUANT_Q2_K)
 /* The formats with Q2_K's 2-bit code vectors (IQ1_TRIT's with 8 scales a 256-block), and where 32-block j's start. */
 #define HAS_LOW2(qtype) (IS_LOW2(qtype) || (qtype) == QUANT_IQ1_TRIT)
-#define LOW2_AT(qtype, j) \
-    ((qtype) == QUANT_Q3_K ? Q3_CODES + 192 * (j) : (qtype) == QUANT_Q2_K ? Q2_CODES + 128 * (j) : T1_CODES + 128 * (j))
+/* Q3_K's 3-bit codes (the low 2 bits, then a vector of third bits): Q3_K's own and IQ3_TAB16's table indices. */
+#define IS_CODE3(qtype) ((qtype) == QUANT_Q3_K || (qtype) == QUANT_IQ3_TAB16)
+#define LOW2_AT(qtype, j)                                                                                     \
+    ((qtype) == QUANT_Q3_K ? Q3_CODES + 192 * (j) : (qtype) == QUANT_IQ3_TAB16 ? T3_CODES + 192 * (j)         \
+     : (qtype) == QUANT_Q2_K ? Q2_CODES + 128 * (j) : T1_CODES + 128 * (j))
 /* Integer sums per 32-block: 2 for Q6_K, Q3_K, Q2_K (one per 16-weight sub-block, each with its own scale),
  * else 1. */
 /* Q6_K's int8 scale per 16 weights at 32 + 16 s + l (q6_scales) */
-#define Q6_SCALES(qtype) ((qtype) == QUANT_Q6_K || (qtype) == QUANT_IQ4_TAB16)
+#define Q6_SCALES(qtype) ((qtype) == QUANT_Q6_K || (qtype) == QUANT_IQ4_TAB16 || (qtype) == QUANT_IQ3_TAB16)
 static inline int sums_per_block(int qtype) { return Q6_SCALES(qtype) || IS_LOW2(qtype) ? 2 : 1; }
 
 /* The formats with a min per sub-block (w = a c - b): Q4_K and Q5_K, which share their scales' layout. A
@@ -224,11 +231,14 @@ static inline int sums_per_block(int qtype) { return Q6_SCALES(qtype) || IS_LOW2
 #define CODES_AT(qtype) ((qtype) == QUANT_IQ4_TAB16 ? TAB16_CODES : IQ4_CODES)
 /* What a block's fp16 d is multiplied by: IQ4_TAB's table is in eighths (w = d scale c / 8), so that the
  * grids' d stays the file's fp16 d (d / 8 is often no fp16) and their values stay integers. */
-#define D_UNIT(qtype) \
-    ((qtype) == QUANT_IQ4_TAB || (qtype) == QUANT_IQ4_TAB16 || (qtype) == QUANT_IQ2_GRID ? 0.125f : 1.0f)
+#define D_UNIT(qtype)                                                                                         \
+    ((qtype) == QUANT_IQ4_TAB || (qtype) == QUANT_IQ4_TAB16 || (qtype) == QUANT_IQ2_GRID ||                   \
+     (qtype) == QUANT_IQ3_TAB16 ? 0.125f : 1.0f)
 #define Q3_CODES 224   /* where a Q3_K panel block's codes start (after d and the scales), 192 bytes a 32-block */
 #define Q2_CODES 320   /* where a Q2_K panel block's codes start (after d, dmin, the scales), 128 bytes a 32-block */
 #define T1_CODES 96    /* where an IQ1_TRIT panel block's codes start (after d and the scales), as Q2_K's */
+#define T3_CODES 288   /* where an IQ3_TAB16 panel block's codes start (after d and the scales), as Q3_K's */
+#define T3_TAB 1824    /* where its table line starts */
 /* IQ1_TRIT's min of a scale nibble n (ls | 8 where IQ1_S's delta is -1/8): s (8 - delta 8), s = 2 ls + 1, in units
  * of d / 8 (w = d s c - d / 8 min, c = g + 1: d s (g + delta) exactly) */
 static const uint8_t T1_MIN[16] = {7, 21, 35, 49, 63, 77, 91, 105, 9, 27, 45, 63, 81, 99, 117, 135};
@@ -291,7 +301,8 @@ static const uint8_t IQ4_CODE[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 
 /* The 16 codes (value + 128) that IQ4_XS's, IQ4_NL's, IQ4_TAB's or IQ4_TAB16's 4-bit indices stand for; blk:
  * the panel block (the 256-block), whose table line holds its table once per 16 bytes. */
 static inline const uint8_t *code_table(int qtype, const uint8_t *blk) {
-    return qtype == QUANT_IQ4_TAB ? blk + TAB_AT : qtype == QUANT_IQ4_TAB16 ? blk + TAB16_AT : IQ4_CODE;
+    return qtype == QUANT_IQ4_TAB ? blk + TAB_AT : qtype == QUANT_IQ4_TAB16 ? blk + TAB16_AT
+           : qtype == QUANT_IQ3_TAB16 ? blk + T3_TAB : IQ4_CODE;
 }
 
 /* Q6_K: the 16 lanes' int8 scales of half hf of 32-block j, in the panel block at blk. */
@@ -308,8 +319,9 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
 #define HAS_KMIN(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q2_K || (qtype) == QUANT_IQ1_TRIT)
 /* Codes that are a signed int8 + 128 (Q8_0, IQ4_NL, IQ4_XS's, IQ2_GRID's): the AVX2 path multiplies |w| by x with
  * w's sign. */
-#define SIGNED_CODES(qtype) \
-    ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_NL || XS_CODES(qtype) || (qtype) == QUANT_IQ2_GRID)
+#define SIGNED_CODES(qtype)                                                                                   \
+    ((qtype) == QUANT_Q8_0 || (qtype) == QUANT_IQ4_NL || XS_CODES(qtype) || (qtype) == QUANT_IQ2_GRID ||      \
+     (qtype) == QUANT_IQ3_TAB16)
 #define KB 256  /* weights per K-quant block, and per x scale for them */
 
 /* x quantized: codes [M, K] int8, a scale per `span` values (32, or KB for the K-quants) [M, K / span],
@@ -431,7 +443,7 @@ static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
 static inline float code_offset(int qtype) {
     switch (qtype) {
     case QUANT_Q8_0: case QUANT_IQ4_NL: case QUANT_IQ4_XS: case QUANT_IQ4_TAB: case QUANT_IQ4_TAB16:
-    case QUANT_IQ2_GRID: return 128.0f;
+    case QUANT_IQ2_GRID: case QUANT_IQ3_TAB16: return 128.0f;
     case QUANT_Q6_K: return 32.0f;
     case QUANT_Q3_K: return 4.0f;
     case QUANT_Q5_0: return 16.0f;
@@ -531,9 +543,11 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
         const uint8_t *v = blk + (XS_CODES(qtype) ? CODES_AT(qtype) + 256 * (j % 8) : 32) + 64 * (g % 4) + 4 * lane + t;
         return code_table(qtype, blk)[(*v >> (g < 4 ? 0 : 4)) & 0xf];
     }
-    if (qtype == QUANT_Q3_K) {
-        const uint8_t *v = blk + Q3_CODES + 192 * (j % 8);
-        return ((v[64 * (g / 4) + 4 * lane + t] >> (2 * (g % 4))) & 3) | (((v[128 + 4 * lane + t] >> g) & 1) << 2);
+    if (IS_CODE3(qtype)) {
+        const uint8_t *v = blk + LOW2_AT(qtype, j % 8);
+        const int low = (v[64 * (g / 4) + 4 * lane + t] >> (2 * (g % 4))) & 3;
+        const int c = low | (((v[128 + 4 * lane + t] >> g) & 1) << 2);
+        return qtype == QUANT_Q3_K ? c : code_table(qtype, blk)[c];
     }
     if (qtype == QUANT_Q2_K || qtype == QUANT_IQ1_TRIT)
         return (blk[LOW2_AT(qtype, j % 8) + 64 * (g / 4) + 4 * lane + t] >> (2 * (g % 4))) & 3;
@@ -583,10 +597,16 @@ INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
         iq2_code_bytes(blk, j, g, bytes);
         return load_lanes(bytes);
     }
-    if (qtype == QUANT_Q3_K) {
-        const uint8_t *v = blk + Q3_CODES + 192 * (j % 8);
-        return ((load_lanes(v + 64 * (g / 4)) >> (2 * (g % 4))) & 0x03030303u) |
-               (((load_lanes(v + 128) >> g) & 0x01010101u) << 2);
+    if (IS_CODE3(qtype)) {
+        const uint8_t *v = blk + LOW2_AT(qtype, j % 8);
+        const LaneWords c = ((load_lanes(v + 64 * (g / 4)) >> (2 * (g % 4))) & 0x03030303u) |
+                            (((load_lanes(v + 128) >> g) & 0x01010101u) << 2);
+        if (qtype == QUANT_Q3_K) return c;
+        const uint8_t *table = code_table(qtype, blk);
+        LaneWords out = (LaneWords){0};
+        for (int lane = 0; lane < NR; lane++)
+            for (int t = 0; t < 4; t++) out[lane] |= (uint32_t)table[(c[lane] >> (8 * t)) & 0x7] << (8 * t);
+        return out;
     }
     if (qtype == QUANT_Q2_K || qtype == QUANT_IQ1_TRIT)
         return (load_lanes(blk + LOW2_AT(qtype, j % 8) + 64 * (g / 4)) >> (2 * (g % 4))) & 0x03030303u;
@@ -744,12 +764,15 @@ INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
         const __m256i v = load256(blk + LOW2_AT(qtype, j) + 64 * (g / 4) + 32 * h);
         return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (g % 4)), _mm256_set1_epi8(3));
     }
-    if (qtype == QUANT_Q3_K) {  /* the low bits, then the third as Q5_0's fifth */
-        const uint8_t *v = blk + Q3_CODES + 192 * j + 32 * h;
+    if (IS_CODE3(qtype)) {  /* the low bits, then the third as Q5_0's fifth; IQ3_TAB16's through its table */
+        const uint8_t *v = blk + LOW2_AT(qtype, j) + 32 * h;
         const __m256i lo =
             _mm256_and_si256(_mm256_srli_epi16(load256(v + 64 * (g / 4)), 2 * (g % 4)), _mm256_set1_epi8(3));
         const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(v + 128), g), _mm256_set1_epi8(1));
-        return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 2));
+        const __m256i c = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 2));
+        if (qtype == QUANT_Q3_K) return c;
+        const __m128i table = _mm_loadu_si128((const __m128i *)code_table(qtype, blk));
+        return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), c);
     }
     if (XS_CODES(qtype) || qtype == QUANT_IQ4_NL) {  /* the indices through the table, a byte shuffle per 16 */
         const __m256i v = load256(blk + (XS_CODES(qtype) ? CODES_AT(qtype) + 256 * j : 32) + 64 * (g % 4) + 32 * h);
@@ -1034,16 +1057,19 @@ INLINE __m512i codes(int qtype, const uint8_t *blk, int j, int g, int one_sum) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     if (qtype == QUANT_Q8_0) return _mm512_loadu_si512(blk + 32 + 64 * g);
     if (qtype == QUANT_IQ2_GRID) return iq2_codes(blk, j, g);
-    if (HAS_LOW2(qtype)) {
+    if (HAS_LOW2(qtype) || IS_CODE3(qtype)) {
         /* the low bits: bits 2 (g % 4), + 1 of vector g / 4; Q3_K's third bit g of the hb byte moved to bit 2
-         * and put in (0xF8: A | (B & C)). g is a literal (each half its own block_half): shifts by constants */
+         * and put in (0xF8: A | (B & C)), IQ3_TAB16's 3 bits then through its table. g is a literal (each half its
+         * own block_half): shifts by constants */
         const uint8_t *v = blk + LOW2_AT(qtype, j);
         const __m512i raw = _mm512_loadu_si512(v + 64 * (g / 4));
         const __m512i lo = _mm512_and_si512(g % 4 ? _mm512_srli_epi16(raw, 2 * (g % 4)) : raw, _mm512_set1_epi8(3));
-        if (qtype != QUANT_Q3_K) return lo;
+        if (!IS_CODE3(qtype)) return lo;
         const __m512i hb = _mm512_loadu_si512(v + 128);
         const __m512i third = g < 2 ? _mm512_slli_epi16(hb, 2 - g) : g > 2 ? _mm512_srli_epi16(hb, g - 2) : hb;
-        return _mm512_ternarylogic_epi32(lo, third, _mm512_set1_epi8(4), 0xF8);
+        const __m512i c = _mm512_ternarylogic_epi32(lo, third, _mm512_set1_epi8(4), 0xF8);
+        if (qtype == QUANT_Q3_K) return c;
+        return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)code_table(qtype, blk))), c);
     }
     if (XS_CODES(qtype) || qtype == QUANT_IQ4_NL) {  /* the indices through the table, a byte shuffle per 16 */
         const __m512i v =
@@ -1215,8 +1241,8 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
 #ifndef L1_NEAR
 #define L1_NEAR 4
 #endif
-static int single_prefetch[QUANT_NUM_TYPES] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-_Static_assert(QUANT_NUM_TYPES == 16, "single_prefetch starts at 1 for each format");
+static int single_prefetch[QUANT_NUM_TYPES] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+_Static_assert(QUANT_NUM_TYPES == 17, "single_prefetch starts at 1 for each format");
 
 void gemm_quant_set_single_prefetch_for(int qtype, int level) {
     if (qtype >= 0 && qtype < QUANT_NUM_TYPES) single_prefetch[qtype] = level;
@@ -2095,6 +2121,7 @@ static const Piece PIECES[QUANT_NUM_TYPES][5] = {
     {{0, 0, 2, 2}, {2, 32, 16, 1}, {146, TAB16_AT, 4, 4}},             /* IQ4_TAB16: d | scales | table share */
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 4, 4}},                      /* IQ2_GRID: IQ4_XS's (idx, neg: below) */
     {{0, 0, 2, 2}, {2, 32, 4, 4}},                                     /* IQ1_TRIT: d | scales (codes: below) */
+    {{0, 0, 2, 2}, {2, 32, 16, 1}, {114, T3_TAB, 4, 4}},               /* IQ3_TAB16: d | scales | table share */
 };
 
 /* Q3_K's, Q2_K's and IQ1_TRIT's 256 codes of row lane (GGUF: Q3_K hmask[32] | qs[64] | scales[12] | d, Q2_K
@@ -2102,13 +2129,14 @@ static const Piece PIECES[QUANT_NUM_TYPES][5] = {
  * at bit 2 i of qs[32 n + l], Q3_K its third at bit 4 n + i of hmask[l]) -> the packed vectors (into a zeroed
  * dst). */
 static void pack_low2_codes(int qtype, const uint8_t *src, int lane, uint8_t *dst) {
-    const uint8_t *qs = src + (qtype == QUANT_Q3_K ? 32 : qtype == QUANT_Q2_K ? 16 : 6);
+    const uint8_t *qs = src + (qtype == QUANT_Q3_K ? 32 : qtype == QUANT_Q2_K ? 16 : qtype == QUANT_IQ3_TAB16 ? 50 : 6);
+    const uint8_t *hmask = src + (qtype == QUANT_Q3_K ? 0 : 18);  /* IQ3_TAB16: d | scales[16] | hmask | qs | share */
     for (int k = 0; k < 256; k++) {
         const int n = k / 128, i = k % 128 / 32, l = k % 32;
         const int low = (qs[32 * n + l] >> (2 * i)) & 3, g = k % 32 / 4, t = k % 4;
         uint8_t *v = dst + LOW2_AT(qtype, k / 32);
         v[64 * (g / 4) + 4 * lane + t] |= (uint8_t)(low << (2 * (g % 4)));
-        if (qtype == QUANT_Q3_K) v[128 + 4 * lane + t] |= (uint8_t)(((src[l] >> (4 * n + i)) & 1) << g);
+        if (IS_CODE3(qtype)) v[128 + 4 * lane + t] |= (uint8_t)(((hmask[l] >> (4 * n + i)) & 1) << g);
     }
 }
 
@@ -2182,8 +2210,8 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
         for (int64_t j = 0; j < nb; j++) {
             uint8_t *dst = (uint8_t *)out + (p * nb + j) * PANEL_BYTES[qtype];
             /* the formats whose bits are ORed in (and IQ4_TAB16's gap) */
-            if (qtype == QUANT_Q6_K || qtype == QUANT_Q5_K || HAS_LOW2(qtype) || qtype == QUANT_IQ4_TAB16 ||
-                qtype == QUANT_IQ2_GRID)
+            if (qtype == QUANT_Q6_K || qtype == QUANT_Q5_K || HAS_LOW2(qtype) || IS_CODE3(qtype) ||
+                qtype == QUANT_IQ4_TAB16 || qtype == QUANT_IQ2_GRID)
                 memset(dst, 0, (size_t)PANEL_BYTES[qtype]);
             for (int l = 0; l < NR; l++) {
                 const uint8_t *src = (const uint8_t *)blocks + ((p * NR + l) * nb + j) * bb;
@@ -2199,7 +2227,7 @@ int quant_pack(const void *blocks, int qtype, int64_t N, int64_t K, void *out, i
                 if (XS_CODES(qtype) && qtype != QUANT_IQ4_TAB16) pack_iq4_xs_codes(src + 8, l, dst + IQ4_CODES);
                 if (qtype == QUANT_IQ2_GRID) pack_iq2_grid(src, l, dst);
                 if (qtype == QUANT_IQ4_TAB16) pack_iq4_xs_codes(src + 18, l, dst + TAB16_CODES);
-                if (HAS_LOW2(qtype)) pack_low2_codes(qtype, src, l, dst);
+                if (HAS_LOW2(qtype) || IS_CODE3(qtype)) pack_low2_codes(qtype, src, l, dst);
             }
             if (qtype == QUANT_Q8_0) /* int8 -> code + 128: the kernel's unsigned operand */
                 for (int i = 32; i < PANEL_BYTES[qtype]; i++) dst[i] ^= 0x80;
