@@ -193,10 +193,11 @@ static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 
 
 /* Q3_K and Q2_K: 2-bit codes regrouped alike (Q3_K's third bit apart), 16 scales a 256-block unpacked at once. */
 #define IS_LOW2(qtype) ((qtype) == QUANT_Q3_K || (qtype) == QUANT_Q2_K)
-/* The formats with Q2_K's 2-bit code vectors (IQ1_TRIT's with 8 scales a 256-block), and where 32-block j's start. */
+/* The formats with Q2_K's 2-bit code vectors (IQ1_TRIT's with 8 scales a 256-block). */
 #define HAS_LOW2(qtype) (IS_LOW2(qtype) || (qtype) == QUANT_IQ1_TRIT)
 /* Q3_K's 3-bit codes (the low 2 bits, then a vector of third bits): Q3_K's own and IQ3_TAB16's table indices. */
 #define IS_CODE3(qtype) ((qtype) == QUANT_Q3_K || (qtype) == QUANT_IQ3_TAB16)
+/* Where 32-block j's low 2 bits start in a panel block of those (HAS_LOW2, IS_CODE3). */
 #define LOW2_AT(qtype, j)                                                                                     \
     ((qtype) == QUANT_Q3_K ? Q3_CODES + 192 * (j) : (qtype) == QUANT_IQ3_TAB16 ? T3_CODES + 192 * (j)         \
      : (qtype) == QUANT_Q2_K ? Q2_CODES + 128 * (j) : T1_CODES + 128 * (j))
