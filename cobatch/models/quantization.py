@@ -1,7 +1,8 @@
 """Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS),
 for `--quantization` and the test files; and IQ4_TAB, the kernel's own: IQ4_XS's blocks, each with 4 bytes of
-a table of 16 values in eighths of d x scale (`with_table`; `dequantize` reads it back), IQ2_GRID
-(models/iq2_grid.py: IQ2_XXS's grid kept) and IQ1_TRIT (models/iq1_trit.py: IQ1_S's weights as 2-bit codes).
+a table of 16 values in eighths of d x scale (`with_table`; `dequantize` reads it back), IQ3_TAB16 (a scale per 16
+weights and 3-bit indices into a table of 8: `pack_iq3_tab16`), IQ2_GRID (models/iq2_grid.py: IQ2_XXS's grid kept)
+and IQ1_TRIT (models/iq1_trit.py: IQ1_S's weights as 2-bit codes).
 
 The 32-weight formats use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
 `quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` / ..., so a folder quantized here holds the bytes
