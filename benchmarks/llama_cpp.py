@@ -61,7 +61,7 @@ DENSE = ("bf16", "f32")
 # format -> llama-quantize's type name
 LLAMA_QUANTIZE_MIXES = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "iq4_xs": "IQ4_XS", "q3_k_m": "Q3_K_M",
                         "q2_k": "Q2_K", "iq3_m": "IQ3_M", "iq2_xxs": "IQ2_XXS", "iq1_s": "IQ1_S", "iq2_xs": "IQ2_XS",
-                        "q6_k": "Q6_K"}
+                        "q6_k": "Q6_K", "tq1_0": "TQ1_0", "tq2_0": "TQ2_0"}
 NEEDS_IMATRIX = ("iq2_xxs", "iq1_s", "iq2_xs")
 QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_1", "q4_k", *LLAMA_QUANTIZE_MIXES)
 SERVERS = ("llama-server", "cobatch")

@@ -146,7 +146,7 @@ MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.10\.ffn_down=mxfp4", r"blk\.11\.ffn_do
 
 def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quantized_gguf) -> None:
     """An MXFP4 matrix becomes Q8_0 (requantized), and so does q | k | v of three runs of formats (Q4_0, Q8_0,
-    Q4_0); q | k | v of two (Q4_0 q, k; a Q5_0 v) keeps both, v apart; a TQ2_0 one IQ4_TAB (exactly), an
+    Q4_0); q | k | v of two (Q4_0 q, k; a Q5_0 v) keeps both, v apart; a TQ2_0 one Q2_K (exactly), an
     IQ2_XXS one IQ2_GRID (IQ4_TAB without VBMI; exactly), an IQ1_S one IQ1_TRIT (exactly); a Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K or IQ4_XS
     ffn_down and an IQ4_NL gate | up stay as they are (their values exactly): no dense matrix, a little more
     than the file's bytes, greedy output ranked by its dequantized weights as the plain files' is."""
@@ -166,7 +166,7 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     assert quant_type(model.layers[13].down_proj).name == "q3_k"
     assert quant_type(model.layers[14].down_proj).name == "q2_k"
     assert quant_type(model.layers[10].down_proj).name == "q8_0"
-    assert quant_type(model.layers[11].down_proj).name == "iq4_tab"
+    assert quant_type(model.layers[11].down_proj).name == "q2_k"
     kernel = native_quant_gemm()
     iq2 = "iq2_grid" if kernel is not None and kernel.byte_lookups else "iq4_tab"
     assert quant_type(model.layers[12].down_proj).name == iq2
@@ -197,7 +197,7 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     served_gate = quantized_rows(torch.arange(gate_dense.shape[0]), model.layers[0].gate_up_proj.data, torch.float32)
     assert torch.equal(served_gate, gate_dense)
     _check_against_dequantized(llm, {"q4_0", "q8_0", "q5_0", "q5_1", "q5_k", "q6_k", "iq4_xs", "iq4_nl",
-                                     "q3_k", "q2_k", "iq4_tab", iq2, "iq1_trit"})
+                                     "q3_k", "q2_k", iq2, "iq1_trit"})
 
 
 def test_hf_folder_quantized_at_load_matches_its_dequantized_weights(hf_folder: Path) -> None:

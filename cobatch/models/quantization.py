@@ -241,9 +241,17 @@ def quantize_q2_k(values: np.ndarray) -> np.ndarray:
     mn = _ratio(-low, dmin).clip(0, 15).astype(np.uint8)
     a = d.astype(np.float32)[..., None] * sc  # the weights as stored: a * code - b
     b = dmin.astype(np.float32)[..., None] * mn
-    codes = _ratio(sub + b[..., None], a[..., None]).clip(0, 3).astype(np.uint8).reshape(n, k // 256, 2, 4, 32)
-    qs = (codes << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)  # [n, sb, 2, 32]
-    out = np.concatenate([sc | (mn << 4), qs.reshape(n, k // 256, 64), d[..., None].view(np.uint8),
+    codes = _ratio(sub + b[..., None], a[..., None]).clip(0, 3).astype(np.uint8)
+    return pack_q2_k(d, dmin, sc, mn, codes.reshape(n, k // 256, 256))
+
+
+def pack_q2_k(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Q2_K's parts -> its bytes [N, K / 256 * 84]: d, dmin [n, sb] fp16, the 16 sub-block scales and mins
+    [n, sb, 16] (0..15), the codes [n, sb, 256] (0..3, in K order): w = d sc code - dmin mn."""
+    n, blocks = d.shape
+    quarters = codes.reshape(n, blocks, 2, 4, 32)
+    qs = (quarters << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)  # [n, sb, 2, 32]
+    out = np.concatenate([sc | (mn << 4), qs.reshape(n, blocks, 64), d[..., None].view(np.uint8),
                           dmin[..., None].view(np.uint8)], axis=-1)
     return out.reshape(n, -1)
 

@@ -7,11 +7,11 @@ without loss: Q4_0, Q5_0 and IQ4_NL to Q8_0 (one fp16 scale per 32 weights, inte
 IQ1_S to IQ1_TRIT (its ternary grid values as 2-bit codes, 2.19 bits a weight: models/iq1_trit.py), IQ2_XXS,
 IQ3_XXS and IQ3_S to IQ4_TAB (their weights are an fp16 d times an integer scale per 32 weights times one of at
 most 16 grid values: IQ4_XS's layout with that table, at 4.375 bits a weight against Q8_0's 8.5; IQ2_XXS to
-IQ2_GRID instead, its own grid at 2.25 bits, where the CPU has AVX-512 VBMI: models/iq2_grid.py), and so do the
-ternary TQ1_0 and TQ2_0 (d times -1, 0 or 1, a scale of 1); IQ2_XS, IQ2_S and IQ1_M (a scale per 16 weights,
-6 values) to IQ3_TAB16 (IQ4_TAB16's scales and table with 3-bit indices in Q3_K's layout: 3.69 bits, against
-IQ4_TAB16's 4.75, which a 16-value table with a scale per 16 weights would take). Every other type (MXFP4, NVFP4,
-...) is requantized to Q8_0 from its dequantized values.
+IQ2_GRID instead, its own grid at 2.25 bits, where the CPU has AVX-512 VBMI: models/iq2_grid.py), the ternary
+TQ1_0 and TQ2_0 (d times -1, 0 or 1; TQ2_0 also 2) to Q2_K (2.625 bits); IQ2_XS, IQ2_S and IQ1_M (a scale per
+16 weights, 6 values) to IQ3_TAB16 (IQ4_TAB16's scales and table with 3-bit indices in Q3_K's layout: 3.69
+bits, against IQ4_TAB16's 4.75, which a 16-value table with a scale per 16 weights would take). Every other type
+(MXFP4, NVFP4, ...) is requantized to Q8_0 from its dequantized values.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 
 from cobatch.kernels.quant_linear import native_quant_gemm
 from cobatch.models import iq1_trit, iq2_grid
-from cobatch.models.quantization import (IQ4_VALUES, pack_iq3_tab16, pack_iq4_tab16, pack_iq4_xs, quantize,
-                                         with_table)
+from cobatch.models.quantization import (IQ4_VALUES, pack_iq3_tab16, pack_iq4_tab16, pack_iq4_xs, pack_q2_k,
+                                         quantize, with_table)
 
 _TYPE = gguf.GGMLQuantizationType
 EXACT_IN_Q8_0 = frozenset((_TYPE.Q4_0, _TYPE.Q5_0, _TYPE.IQ4_NL))
@@ -35,15 +35,16 @@ TABLES = {_TYPE.IQ2_XXS: np.array([8, 25, 43], np.int16), _TYPE.IQ1_S: np.array(
           _TYPE.IQ1_M: np.array([1, 7, 9], np.int16),
           # ternary, with 0 in the table (searched as -0); TQ2_0's 2-bit code 3 stands for 2 (gguf-py, llama.cpp)
           _TYPE.TQ1_0: np.array([0, 8, 16], np.int16), _TYPE.TQ2_0: np.array([0, 8, 16], np.int16)}
-# the types whose fp16 d is their blocks' last 2 bytes
-D_LAST = frozenset((_TYPE.TQ1_0, _TYPE.TQ2_0))
+# the types whose fp16 d is their blocks' last 2 bytes: the ternary ones (Q2_K's codes hold them: to_q2_k)
+D_LAST = TERNARY = frozenset((_TYPE.TQ1_0, _TYPE.TQ2_0))
 # those with a scale per 16 weights: IQ3_TAB16 (IQ4_TAB16 for a table of more than 8 values)
 PER_16 = frozenset((_TYPE.IQ2_XS, _TYPE.IQ2_S, _TYPE.IQ1_M))
 
 
 def to_served(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor:
     """A GGUF matrix [N, row bytes] of a type the kernel does not serve -> IQ1_TRIT blocks [N, K / 256, 70] for
-    IQ1_S; IQ2_GRID blocks [N, K / 256, 72] for IQ2_XXS where the kernel looks its grid up at speed; else IQ4_TAB
+    IQ1_S; IQ2_GRID blocks [N, K / 256, 72] for IQ2_XXS where the kernel looks its grid up at speed; Q2_K blocks
+    [N, K / 256, 84] for TQ1_0 and TQ2_0; else IQ4_TAB
     blocks [N, K / 256, 140] holding its values exactly where to_iq4_tab can, else Q8_0 blocks [N, K / 32, 34]
     (to_q8_0)."""
     kernel = native_quant_gemm()
@@ -51,8 +52,28 @@ def to_served(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch
         return torch.from_numpy(iq1_trit.from_iq1_s(data))
     if tensor_type == _TYPE.IQ2_XXS and kernel is not None and kernel.byte_lookups:
         return torch.from_numpy(iq2_grid.from_iq2_xxs(data))
-    blocks = to_iq4_tab(data, tensor_type) if tensor_type in TABLES else None
+    blocks = to_q2_k(data, tensor_type) if tensor_type in TERNARY else None
+    if blocks is None and tensor_type in TABLES:
+        blocks = to_iq4_tab(data, tensor_type)
     return blocks if blocks is not None else to_q8_0(data, tensor_type)
+
+
+def to_q2_k(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor | None:
+    """A TQ1_0 or TQ2_0 matrix [N, row bytes] -> Q2_K blocks [N, K / 256, 84] of the same values (None should one
+    not come back exactly): w = d (c - 1), c in 0..2 (TQ2_0: 0..3), is Q2_K's d sc c - dmin mn with sc = mn = 1 and
+    dmin = d; 2.625 bits a weight, against IQ4_TAB's 4.375. The codes come from gguf-py's dequantized values."""
+    n = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(n, -1, gguf.GGML_QUANT_SIZES[tensor_type][1])
+    d = _d(blocks, tensor_type)  # [n, sb]
+    values = gguf.quants.dequantize(data, tensor_type).reshape(n, d.shape[1], 256)
+    step = np.broadcast_to(d.astype(np.float32)[..., None], values.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = np.where(step != 0, np.round(values / np.where(step != 0, step, 1.0)), 0.0) + 1
+    codes = codes.clip(0, 3).astype(np.uint8)
+    if not np.array_equal(step * (codes.astype(np.float32) - 1), values):
+        return None
+    ones = np.ones((*d.shape, 16), np.uint8)
+    return torch.from_numpy(pack_q2_k(d, d, ones, ones, codes)).view(n, -1, 84)
 
 
 def to_q8_0(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor:
