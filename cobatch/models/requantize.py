@@ -44,9 +44,8 @@ PER_16 = frozenset((_TYPE.IQ2_XS, _TYPE.IQ2_S, _TYPE.IQ1_M))
 def to_served(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor:
     """A GGUF matrix [N, row bytes] of a type the kernel does not serve -> IQ1_TRIT blocks [N, K / 256, 70] for
     IQ1_S; IQ2_GRID blocks [N, K / 256, 72] for IQ2_XXS where the kernel looks its grid up at speed; Q2_K blocks
-    [N, K / 256, 84] for TQ1_0 and TQ2_0; else IQ4_TAB
-    blocks [N, K / 256, 140] holding its values exactly where to_iq4_tab can, else Q8_0 blocks [N, K / 32, 34]
-    (to_q8_0)."""
+    [N, K / 256, 84] for TQ1_0 and TQ2_0; else IQ4_TAB blocks [N, K / 256, 140] holding its values exactly where
+    to_iq4_tab can, else Q8_0 blocks [N, K / 32, 34] (to_q8_0)."""
     kernel = native_quant_gemm()
     if tensor_type == _TYPE.IQ1_S:
         return torch.from_numpy(iq1_trit.from_iq1_s(data))
