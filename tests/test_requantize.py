@@ -1,7 +1,7 @@
 """models/requantize.py: GGUF matrices of types the kernel does not serve become served blocks, IQ2_XXS,
-IQ1_S, IQ3_XXS, IQ3_S, TQ1_0 and TQ2_0 as IQ4_TAB, IQ2_XS, IQ2_S and IQ1_M as IQ3_TAB16, IQ2_XXS as IQ2_GRID
-where the CPU has VBMI, IQ1_S as IQ1_TRIT, TQ1_0 and TQ2_0 as Q2_K, with the very values gguf-py dequantizes them to, the rest (MXFP4
-here) as Q8_0; the loader takes that way for them and counts such files as served."""
+IQ1_S, IQ3_XXS and IQ3_S as IQ4_TAB, IQ2_XS, IQ2_S and IQ1_M as IQ3_TAB16, IQ2_XXS as IQ2_GRID
+where the CPU has VBMI, IQ1_S as IQ1_TRIT, TQ1_0 and TQ2_0 as Q2_K, with the very values gguf-py dequantizes
+them to, the rest (MXFP4 here) as Q8_0; the loader takes that way for them and counts such files as served."""
 
 from __future__ import annotations
 
