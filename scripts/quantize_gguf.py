@@ -7,8 +7,8 @@ from its dequantized values: the 32-weight formats with gguf-py's reference quan
 models/quantization.py's plain one. As llama-quantize does, a matrix whose rows do not split into Q4_K's
 256-weight super-blocks falls back to a 32-block format (here Q4_0; llama.cpp picks Q5_0); 1-D tensors
 (norms) stay F32. `--tensor-type REGEX=TYPE` (as llama-quantize's) writes the matrices whose GGUF name
-matches REGEX in TYPE instead, also in q5_0, q5_k or q6_k (the K-quants: K a multiple of 256), or in a
-type the kernel serves only through models/requantize.py, which gguf-py quantizes (tq2_0, K a multiple of
+matches REGEX in TYPE instead, also in q5_0, q5_k, q6_k or tq2_0 (the last three: K a multiple of 256), or in a
+type the kernel serves only through models/requantize.py, which gguf-py quantizes (tq1_0, K a multiple of
 256, and mxfp4) or models/iq2_grid.py and models/iq1_trit.py do (iq2_xxs and iq1_s, K a multiple of 256): the
 mixed files that
 llama-quantize's Q4_K_M and the like are.
@@ -35,7 +35,7 @@ _FILE_TYPES = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileTyp
                "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S}
 _FALLBACK = "q4_0"  # for a Q4_K file's matrices with K % 256 != 0
 # For --tensor-type, types the kernel does not serve as they are that gguf-py quantizes.
-_OTHER_TYPES = {"tq2_0": gguf.GGMLQuantizationType.TQ2_0, "mxfp4": gguf.GGMLQuantizationType.MXFP4}
+_OTHER_TYPES = {"tq1_0": gguf.GGMLQuantizationType.TQ1_0, "mxfp4": gguf.GGMLQuantizationType.MXFP4}
 
 
 def _blocks(values: np.ndarray, fmt: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:

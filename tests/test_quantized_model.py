@@ -134,7 +134,7 @@ def test_quantized_gguf_keeps_its_bytes_and_matches_its_dequantized_weights(quan
 
 
 # As llama-quantize's mixes do: some attn_v and ffn_down in other types, a fused q | k | v of two formats.
-MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.10\.ffn_down=mxfp4", r"blk\.11\.ffn_down=tq2_0",
+MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.10\.ffn_down=mxfp4", r"blk\.11\.ffn_down=tq1_0", r"blk\.29\.ffn_down=tq2_0",
        r"blk\.12\.ffn_down=iq2_xxs", r"blk\.16\.ffn_down=iq1_s",
        r"blk\.13\.ffn_down=q3_k",
        r"blk\.14\.ffn_down=q2_k",
@@ -146,10 +146,11 @@ MIX = (r"blk\.[0-4]\.attn_v=q5_0", r"blk\.10\.ffn_down=mxfp4", r"blk\.11\.ffn_do
 
 def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quantized_gguf) -> None:
     """An MXFP4 matrix becomes Q8_0 (requantized), and so does q | k | v of three runs of formats (Q4_0, Q8_0,
-    Q4_0); q | k | v of two (Q4_0 q, k; a Q5_0 v) keeps both, v apart; a TQ2_0 one Q2_K (exactly), an
-    IQ2_XXS one IQ2_GRID (IQ4_TAB without VBMI; exactly), an IQ1_S one IQ1_TRIT (exactly); a Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K or IQ4_XS
-    ffn_down and an IQ4_NL gate | up stay as they are (their values exactly): no dense matrix, a little more
-    than the file's bytes, greedy output ranked by its dequantized weights as the plain files' is."""
+    Q4_0); q | k | v of two (Q4_0 q, k; a Q5_0 v) keeps both, v apart; a TQ1_0 one TQ2_0 (exactly), an
+    IQ2_XXS one IQ2_GRID (IQ4_TAB without VBMI; exactly), an IQ1_S one IQ1_TRIT (exactly); a Q2_K, Q3_K, Q5_0,
+    Q5_1, Q5_K, Q6_K, IQ4_XS or TQ2_0 ffn_down and an IQ4_NL gate | up stay as they are (their values exactly): no
+    dense matrix, a little more than the file's bytes, greedy output ranked by its dequantized weights as the
+    plain files' is."""
     path = quantized_gguf("q4_0", *MIX)
     llm = LLM(str(path), **ENGINE)
     model = _model(llm)
@@ -166,7 +167,8 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     assert quant_type(model.layers[13].down_proj).name == "q3_k"
     assert quant_type(model.layers[14].down_proj).name == "q2_k"
     assert quant_type(model.layers[10].down_proj).name == "q8_0"
-    assert quant_type(model.layers[11].down_proj).name == "q2_k"
+    assert quant_type(model.layers[11].down_proj).name == "tq2_0"
+    assert quant_type(model.layers[29].down_proj).name == "tq2_0"
     kernel = native_quant_gemm()
     iq2 = "iq2_grid" if kernel is not None and kernel.byte_lookups else "iq4_tab"
     assert quant_type(model.layers[12].down_proj).name == iq2
@@ -186,7 +188,8 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     block_max = down_dense.abs().reshape(down_dense.shape[0], -1, 32).amax(-1, keepdim=True)
     error = (served - down_dense).abs().reshape(block_max.shape[0], -1, 32)
     assert (error <= block_max * (1 / 254 + 1 / 1024)).all()
-    for layer in (5, 15, 20, 0, 13, 14, 11, 12, 16):  # Q6_K, Q5_K, Q5_1, IQ4_XS, Q3_K, Q2_K, TQ2_0, IQ2_XXS, IQ1_S
+    # Q6_K, Q5_K, Q5_1, IQ4_XS, Q3_K, Q2_K, TQ1_0, TQ2_0, IQ2_XXS, IQ1_S
+    for layer in (5, 15, 20, 0, 13, 14, 11, 29, 12, 16):
         down_k = reader[f"blk.{layer}.ffn_down.weight"]
         down_k_dense = torch.from_numpy(gguf.quants.dequantize(down_k.data, down_k.tensor_type))
         served_k = quantized_rows(torch.arange(down_k_dense.shape[0]), model.layers[layer].down_proj.data,
@@ -197,7 +200,7 @@ def test_a_mixed_file_stays_quantized_each_matrix_as_q8_0_where_not_served(quant
     served_gate = quantized_rows(torch.arange(gate_dense.shape[0]), model.layers[0].gate_up_proj.data, torch.float32)
     assert torch.equal(served_gate, gate_dense)
     _check_against_dequantized(llm, {"q4_0", "q8_0", "q5_0", "q5_1", "q5_k", "q6_k", "iq4_xs", "iq4_nl",
-                                     "q3_k", "q2_k", iq2, "iq1_trit"})
+                                     "q3_k", "q2_k", iq2, "iq1_trit", "tq2_0"})
 
 
 def test_hf_folder_quantized_at_load_matches_its_dequantized_weights(hf_folder: Path) -> None:

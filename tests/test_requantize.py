@@ -1,7 +1,8 @@
 """models/requantize.py: GGUF matrices of types the kernel does not serve become served blocks, IQ2_XXS,
 IQ1_S, IQ3_XXS and IQ3_S as IQ4_TAB, IQ2_XS, IQ2_S and IQ1_M as IQ3_TAB16, IQ2_XXS as IQ2_GRID
-where the CPU has VBMI, IQ1_S as IQ1_TRIT, TQ1_0 and TQ2_0 as Q2_K, with the very values gguf-py dequantizes
-them to, the rest (MXFP4 here) as Q8_0; the loader takes that way for them and counts such files as served."""
+where the CPU has VBMI, IQ1_S as IQ1_TRIT, TQ1_0 as TQ2_0 (which is served as it is), with the very values gguf-py
+dequantizes them to, the rest (MXFP4 here) as Q8_0; the loader takes that way for them and counts such files as
+served."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from cobatch.kernels.quant_linear import native_quant_gemm
 from cobatch.models import iq1_trit, iq2_grid
 from cobatch.models.loader import _gguf_tensor, _mostly_served
 from cobatch.models.quantization import dequantize
-from cobatch.models.requantize import D_LAST, PER_16, TABLES, TERNARY, to_iq4_tab, to_q2_k, to_served
+from cobatch.models.requantize import D_LAST, PER_16, TABLES, to_iq4_tab, to_served, to_tq2_0
 
 GRIDS = sorted(TABLES, key=lambda t: t.name)
 
@@ -82,21 +83,24 @@ def test_iq1_s_becomes_iq1_trit_exactly() -> None:
     assert torch.equal(to_served(data, kind), blocks)
 
 
-@pytest.mark.parametrize("kind", sorted(TERNARY, key=lambda t: t.name), ids=lambda t: t.name)
-def test_ternary_types_become_q2_k_exactly(kind: gguf.GGMLQuantizationType) -> None:
-    """Q2_K with every scale and min 1 and dmin = d holds TQ1_0's and TQ2_0's every value (d (c - 1)), at 84 bytes a
-    256-block: every code the random bytes reach, d = 0, negative and subnormal."""
+def test_tq1_0_becomes_tq2_0_exactly() -> None:
+    """TQ2_0 (2-bit codes, the same d) holds TQ1_0's every value (d (c - 1)), at 66 bytes a 256-block: every code the
+    random bytes reach, d = 0, negative and subnormal; a TQ2_0 matrix is kept as it is."""
+    kind = gguf.GGMLQuantizationType.TQ1_0
     data = _random_blocks(kind, 32, 1024, [0.01, -0.37, 0.0, 3.5e-3, 1.0, 3 * 2.0**-24, 1.5e-4])
-    blocks = to_q2_k(data, kind)
-    assert blocks is not None and blocks.shape == (32, 4, 84)
-    assert torch.equal(dequantize(blocks, "q2_k"), torch.from_numpy(gguf.quants.dequantize(data, kind)))
+    blocks = to_tq2_0(data)
+    assert blocks is not None and blocks.shape == (32, 4, 66)
+    assert torch.equal(dequantize(blocks, "tq2_0"), torch.from_numpy(gguf.quants.dequantize(data, kind)))
     assert torch.equal(to_served(data, kind), blocks)
+    tq2 = _random_blocks(gguf.GGMLQuantizationType.TQ2_0, 16, 512, [0.05, -1.0])  # every code, 3 (= 2 d) too
+    tensor = SimpleNamespace(data=tq2, tensor_type=gguf.GGMLQuantizationType.TQ2_0, shape=np.array([512, 16]))
+    assert torch.equal(_gguf_tensor(tensor, torch.float32, keep_blocks=True), torch.from_numpy(tq2).view(16, 2, 66))
 
 
 @pytest.mark.parametrize("kind", GRIDS, ids=lambda t: t.name)
 def test_the_loader_keeps_grid_types_as_iq4_tab_and_counts_them_served(kind: gguf.GGMLQuantizationType) -> None:
     """IQ1_S as IQ1_TRIT, IQ2_XXS as IQ2_GRID where the kernel has VBMI's byte lookups, IQ2_XS, IQ2_S and IQ1_M as
-    IQ3_TAB16, TQ1_0 and TQ2_0 as Q2_K, every grid type else as IQ4_TAB."""
+    IQ3_TAB16, TQ1_0 as TQ2_0, every grid type else as IQ4_TAB."""
     data = _random_blocks(kind, 16, 512, [0.05])
     tensor = SimpleNamespace(data=data, tensor_type=kind, shape=np.array([512, 16]), n_bytes=data.nbytes)
     weight = _gguf_tensor(tensor, torch.float32, keep_blocks=True)
@@ -106,8 +110,8 @@ def test_the_loader_keeps_grid_types_as_iq4_tab_and_counts_them_served(kind: ggu
         fmt, size = "iq2_grid", 72
     if kind == gguf.GGMLQuantizationType.IQ1_S:
         fmt, size = "iq1_trit", 70
-    if kind in TERNARY:
-        fmt, size = "q2_k", 84
+    if kind == gguf.GGMLQuantizationType.TQ1_0:
+        fmt, size = "tq2_0", 66
     assert weight.shape == (16, 2, size)
     assert torch.equal(dequantize(weight, fmt), torch.from_numpy(gguf.quants.dequantize(data, kind)))
     other = SimpleNamespace(shape=[64, 64], n_bytes=data.nbytes // 2, tensor_type=gguf.GGMLQuantizationType.MXFP4)

@@ -3,14 +3,14 @@ IQ4_NL, IQ4_XS; and IQ4_TAB, IQ4_XS's layout with its own table of 16 values, wh
 IQ3_XXS and IQ3_S weights exactly, IQ4_TAB16, its twin with a scale per 16 weights, and IQ3_TAB16, that
 with 3-bit indices, which holds IQ2_XS, IQ2_S and IQ1_M: models/requantize.py; IQ2_GRID, IQ2_XXS's own grid
 indices, where the CPU has AVX-512 VBMI: models/iq2_grid.py; and IQ1_TRIT, IQ1_S's weights as 2-bit codes:
-models/iq1_trit.py): csrc/gemm_quant.c.
+models/iq1_trit.py; and TQ2_0, the ternary files' 2-bit codes, which also holds TQ1_0): csrc/gemm_quant.c.
 
 A weight arrives as GGUF's blocks, a uint8 tensor [N, K / block, block_bytes] (one row of blocks per
 output; `raw_blocks` views a GGUF tensor so). `pack_blocks` reorders those bytes once, at load, into
 the kernel's panels of 16 rows: the packed tensor [N / 16, K / block, 16 block_bytes] holds the same
 number of bytes (gemm_quant.c documents the layout; a Q8_0 code also has its sign bit flipped). Its last
 dimension names the format (544, 288, 320, 1344, 1760, 2304, 352, 384, 2816, 3360, 576, 2176, 2240, 2432, 1152,
-1120, 1888 bytes), so a packed weight is a plain uint8 Parameter and needs no side record: `is_quantized`,
+1120, 1888, 1056 bytes), so a packed weight is a plain uint8 Parameter and needs no side record: `is_quantized`,
 `quant_type` and `quantized_shape` read it off the shape.
 
 `quantized_linear(x, packed, bias)` runs the kernel on fp32 or bf16 x; `quantized_rows` dequantizes rows
@@ -78,7 +78,9 @@ FORMATS = {f.name: f for f in (QuantFormat("q8_0", 0, 32, 34), QuantFormat("q4_0
                                QuantFormat("iq1_trit", 15, 256, 70),
                                # IQ4_TAB16's fields with a 3-bit index as Q3_K's codes: d | 16 scales | hmask |
                                # qs | share (requantize.py)
-                               QuantFormat("iq3_tab16", 16, 256, 118))}
+                               QuantFormat("iq3_tab16", 16, 256, 118),
+                               # ternary: GGUF's TQ2_0 as it is, qs [64] | d (TQ1_0 becomes it: requantize.py)
+                               QuantFormat("tq2_0", 17, 256, 66))}
 _BY_PANEL_BYTES = {f.panel_bytes: f for f in FORMATS.values()}
 
 

@@ -1,12 +1,12 @@
-"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS),
-for `--quantization` and the test files; and IQ4_TAB, the kernel's own: IQ4_XS's blocks, each with 4 bytes of
-a table of 16 values in eighths of d x scale (`with_table`; `dequantize` reads it back), IQ3_TAB16 (a scale per 16
-weights and 3-bit indices into a table of 8: `pack_iq3_tab16`), IQ2_GRID (models/iq2_grid.py: IQ2_XXS's grid kept)
-and IQ1_TRIT (models/iq1_trit.py: IQ1_S's weights as 2-bit codes).
+"""Dense weights -> GGUF blocks (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS,
+TQ2_0), for `--quantization` and the test files; and IQ4_TAB, the kernel's own: IQ4_XS's blocks, each with 4 bytes
+of a table of 16 values in eighths of d x scale (`with_table`; `dequantize` reads it back), IQ3_TAB16 (a scale per
+16 weights and 3-bit indices into a table of 8: `pack_iq3_tab16`), IQ2_GRID (models/iq2_grid.py: IQ2_XXS's grid
+kept) and IQ1_TRIT (models/iq1_trit.py: IQ1_S's weights as 2-bit codes).
 
-The 32-weight formats use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
-`quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` / ..., so a folder quantized here holds the bytes
-llama-quantize's reference path writes. gguf-py has no K-quant quantizers: `quantize_k_with_mins` is a
+The 32-weight formats and TQ2_0 use gguf-py's `gguf.quants.quantize`, the reference rounding of llama.cpp's
+`quantize_row_q8_0_ref` / `quantize_row_q4_0_ref` / `quantize_row_tq2_0_ref` / ..., so a folder quantized here
+holds the bytes llama-quantize's reference path writes. gguf-py has no K-quant quantizers: `quantize_k_with_mins` is a
 plain one (each 32-weight sub-block's range mapped onto 0..15 for Q4_K, 0..31 for Q5_K, its scale and min
 rounded to 6 bits of the super block's fp16 d and dmin), and so is `quantize_q6_k` (each 16-weight
 sub-block's largest value mapped onto -32, its scale rounded to an int8 of the super block's d, as the
@@ -33,7 +33,8 @@ GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizat
               "q6_k": gguf.GGMLQuantizationType.Q6_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
               "q4_1": gguf.GGMLQuantizationType.Q4_1, "q5_1": gguf.GGMLQuantizationType.Q5_1,
               "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS, "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL,
-              "q3_k": gguf.GGMLQuantizationType.Q3_K, "q2_k": gguf.GGMLQuantizationType.Q2_K}
+              "q3_k": gguf.GGMLQuantizationType.Q3_K, "q2_k": gguf.GGMLQuantizationType.Q2_K,
+              "tq2_0": gguf.GGMLQuantizationType.TQ2_0}
 # IQ4_NL's and IQ4_XS's 16 weight values per unit of scale (llama.cpp's kvalues_iq4nl).
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
@@ -248,12 +249,17 @@ def quantize_q2_k(values: np.ndarray) -> np.ndarray:
 def pack_q2_k(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, codes: np.ndarray) -> np.ndarray:
     """Q2_K's parts -> its bytes [N, K / 256 * 84]: d, dmin [n, sb] fp16, the 16 sub-block scales and mins
     [n, sb, 16] (0..15), the codes [n, sb, 256] (0..3, in K order): w = d sc code - dmin mn."""
-    n, blocks = d.shape
-    quarters = codes.reshape(n, blocks, 2, 4, 32)
-    qs = (quarters << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)  # [n, sb, 2, 32]
-    out = np.concatenate([sc | (mn << 4), qs.reshape(n, blocks, 64), d[..., None].view(np.uint8),
+    out = np.concatenate([sc | (mn << 4), pack_2bit_codes(codes), d[..., None].view(np.uint8),
                           dmin[..., None].view(np.uint8)], axis=-1)
-    return out.reshape(n, -1)
+    return out.reshape(d.shape[0], -1)
+
+
+def pack_2bit_codes(codes: np.ndarray) -> np.ndarray:
+    """2-bit codes [n, sb, 256] (0..3, in K order) -> Q2_K's and TQ2_0's qs [n, sb, 64]: K 128 h + 32 i + l at
+    bits 2 i of byte 32 h + l."""
+    quarters = codes.reshape(*codes.shape[:2], 2, 4, 32)
+    qs = (quarters << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=-2, dtype=np.uint8)  # [n, sb, 2, 32]
+    return qs.reshape(*codes.shape[:2], 64)
 
 
 def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ IQ1_S to IQ1_TRIT (its ternary grid values as 2-bit codes, 2.19 bits a weight: m
 IQ3_XXS and IQ3_S to IQ4_TAB (their weights are an fp16 d times an integer scale per 32 weights times one of at
 most 16 grid values: IQ4_XS's layout with that table, at 4.375 bits a weight against Q8_0's 8.5; IQ2_XXS to
 IQ2_GRID instead, its own grid at 2.25 bits, where the CPU has AVX-512 VBMI: models/iq2_grid.py), the ternary
-TQ1_0 and TQ2_0 (d times -1, 0 or 1; TQ2_0 also 2) to Q2_K (2.625 bits); IQ2_XS, IQ2_S and IQ1_M (a scale per
+TQ1_0 (d times -1, 0 or 1, 5 to a byte) to TQ2_0 (2-bit codes, 2.06 bits, which the kernel serves as it is); IQ2_XS, IQ2_S and IQ1_M (a scale per
 16 weights, 6 values) to IQ3_TAB16 (IQ4_TAB16's scales and table with 3-bit indices in Q3_K's layout: 3.69
 bits, against IQ4_TAB16's 4.75, which a 16-value table with a scale per 16 weights would take). Every other type
 (MXFP4, NVFP4, ...) is requantized to Q8_0 from its dequantized values.
@@ -22,7 +22,7 @@ import torch
 
 from cobatch.kernels.quant_linear import native_quant_gemm
 from cobatch.models import iq1_trit, iq2_grid
-from cobatch.models.quantization import (IQ4_VALUES, pack_iq3_tab16, pack_iq4_tab16, pack_iq4_xs, pack_q2_k,
+from cobatch.models.quantization import (IQ4_VALUES, pack_2bit_codes, pack_iq3_tab16, pack_iq4_tab16, pack_iq4_xs,
                                          quantize, with_table)
 
 _TYPE = gguf.GGMLQuantizationType
@@ -33,46 +33,46 @@ TABLES = {_TYPE.IQ2_XXS: np.array([8, 25, 43], np.int16), _TYPE.IQ1_S: np.array(
           _TYPE.IQ3_S: np.arange(8, 121, 16, dtype=np.int16),
           _TYPE.IQ2_XS: np.array([8, 25, 43], np.int16), _TYPE.IQ2_S: np.array([8, 25, 43], np.int16),
           _TYPE.IQ1_M: np.array([1, 7, 9], np.int16),
-          # ternary, with 0 in the table (searched as -0); TQ2_0's 2-bit code 3 stands for 2 (gguf-py, llama.cpp)
-          _TYPE.TQ1_0: np.array([0, 8, 16], np.int16), _TYPE.TQ2_0: np.array([0, 8, 16], np.int16)}
-# the types whose fp16 d is their blocks' last 2 bytes: the ternary ones (Q2_K's codes hold them: to_q2_k)
-D_LAST = TERNARY = frozenset((_TYPE.TQ1_0, _TYPE.TQ2_0))
+          # ternary, with 0 in the table (searched as -0): should to_tq2_0 not hold a TQ1_0 matrix
+          _TYPE.TQ1_0: np.array([0, 8, 16], np.int16)}
+# the types whose fp16 d is their blocks' last 2 bytes: the ternary ones (TQ2_0 served as it is, TQ1_0 as TQ2_0)
+D_LAST = frozenset((_TYPE.TQ1_0, _TYPE.TQ2_0))
 # those with a scale per 16 weights: IQ3_TAB16 (IQ4_TAB16 for a table of more than 8 values)
 PER_16 = frozenset((_TYPE.IQ2_XS, _TYPE.IQ2_S, _TYPE.IQ1_M))
 
 
 def to_served(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor:
     """A GGUF matrix [N, row bytes] of a type the kernel does not serve -> IQ1_TRIT blocks [N, K / 256, 70] for
-    IQ1_S; IQ2_GRID blocks [N, K / 256, 72] for IQ2_XXS where the kernel looks its grid up at speed; Q2_K blocks
-    [N, K / 256, 84] for TQ1_0 and TQ2_0; else IQ4_TAB blocks [N, K / 256, 140] holding its values exactly where
+    IQ1_S; IQ2_GRID blocks [N, K / 256, 72] for IQ2_XXS where the kernel looks its grid up at speed; TQ2_0 blocks
+    [N, K / 256, 66] for TQ1_0; else IQ4_TAB blocks [N, K / 256, 140] holding its values exactly where
     to_iq4_tab can, else Q8_0 blocks [N, K / 32, 34] (to_q8_0)."""
     kernel = native_quant_gemm()
     if tensor_type == _TYPE.IQ1_S:
         return torch.from_numpy(iq1_trit.from_iq1_s(data))
     if tensor_type == _TYPE.IQ2_XXS and kernel is not None and kernel.byte_lookups:
         return torch.from_numpy(iq2_grid.from_iq2_xxs(data))
-    blocks = to_q2_k(data, tensor_type) if tensor_type in TERNARY else None
+    blocks = to_tq2_0(data) if tensor_type == _TYPE.TQ1_0 else None
     if blocks is None and tensor_type in TABLES:
         blocks = to_iq4_tab(data, tensor_type)
     return blocks if blocks is not None else to_q8_0(data, tensor_type)
 
 
-def to_q2_k(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor | None:
-    """A TQ1_0 or TQ2_0 matrix [N, row bytes] -> Q2_K blocks [N, K / 256, 84] of the same values (None should one
-    not come back exactly): w = d (c - 1), c in 0..2 (TQ2_0: 0..3), is Q2_K's d sc c - dmin mn with sc = mn = 1 and
-    dmin = d; 2.625 bits a weight, against IQ4_TAB's 4.375. The codes come from gguf-py's dequantized values."""
+def to_tq2_0(data: np.ndarray) -> torch.Tensor | None:
+    """A TQ1_0 matrix [N, row bytes] -> TQ2_0 blocks [N, K / 256, 66] of the same values (None should one not come
+    back exactly): both are w = d (c - 1), TQ1_0's c in 0..2 packed 5 to a byte in base 3, TQ2_0's 2 bits each; 2.06
+    bits a weight where TQ1_0 has 1.69, served without an unpacking per weight. The codes come from gguf-py's
+    dequantized values."""
     n = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(n, -1, gguf.GGML_QUANT_SIZES[tensor_type][1])
-    d = _d(blocks, tensor_type)  # [n, sb]
-    values = gguf.quants.dequantize(data, tensor_type).reshape(n, d.shape[1], 256)
+    blocks = np.ascontiguousarray(data).reshape(n, -1, gguf.GGML_QUANT_SIZES[_TYPE.TQ1_0][1])
+    d = _d(blocks, _TYPE.TQ1_0)  # [n, sb]
+    values = gguf.quants.dequantize(data, _TYPE.TQ1_0).reshape(n, d.shape[1], 256)
     step = np.broadcast_to(d.astype(np.float32)[..., None], values.shape)
     with np.errstate(divide="ignore", invalid="ignore"):
         codes = np.where(step != 0, np.round(values / np.where(step != 0, step, 1.0)), 0.0) + 1
     codes = codes.clip(0, 3).astype(np.uint8)
     if not np.array_equal(step * (codes.astype(np.float32) - 1), values):
         return None
-    ones = np.ones((*d.shape, 16), np.uint8)
-    return torch.from_numpy(pack_q2_k(d, d, ones, ones, codes)).view(n, -1, 84)
+    return torch.from_numpy(np.concatenate([pack_2bit_codes(codes), d[..., None].view(np.uint8)], axis=-1))
 
 
 def to_q8_0(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor:
@@ -98,7 +98,7 @@ def to_q8_0(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.T
 
 
 def to_iq4_tab(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor | None:
-    """An IQ2_XXS, IQ1_S, IQ3_XXS, IQ3_S, TQ1_0 or TQ2_0 matrix [N, row bytes] -> IQ4_TAB blocks
+    """An IQ2_XXS, IQ1_S, IQ3_XXS, IQ3_S or TQ1_0 matrix [N, row bytes] -> IQ4_TAB blocks
     [N, K / 256, 140] of the same values; an IQ2_XS, IQ2_S or IQ1_M one (6 values) -> IQ3_TAB16 blocks
     [N, K / 256, 118] (IQ4_TAB16 [N, K / 256, 152] past 8 values) (None, then Q8_0, should one not come back
     exactly).
@@ -108,7 +108,7 @@ def to_iq4_tab(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torc
     IQ2_XXS: w = d (0.5 + ls) / 4 x g, g in +-{8, 25, 43};  IQ1_S: w = d (2 ls + 1) (g +- 1/8), g in {-1, 0, 1};
     IQ3_XXS: w = d (0.5 + ls) / 2 x g, g in +-{4, 12, ..., 52, 62};  IQ3_S: w = d (1 + 2 ls) x g, g odd, |g| < 16;
     IQ2_XS, IQ2_S as IQ2_XXS, IQ1_M as IQ1_S (its delta per 8 weights, its d in its scales' top bits);
-    TQ1_0, TQ2_0: w = d x (c - 1), c in 0..2 (TQ2_0: 0..3), ls = 0.
+    TQ1_0: w = d x (c - 1), c in 0..2, ls = 0.
     The codes come from gguf-py's dequantized values (exact products in fp32), checked to give them back."""
     magnitudes = TABLES[tensor_type]
     n = data.shape[0]

@@ -184,7 +184,7 @@ int decoder_forward(const Shape *s, const Layer *layers, int num_layers, const v
 enum { QUANT_Q8_0 = 0, QUANT_Q4_0 = 1, QUANT_Q4_K = 2, QUANT_Q5_0 = 3, QUANT_Q6_K = 4, QUANT_Q5_K = 5, QUANT_Q4_1 = 6,
        QUANT_Q5_1 = 7, QUANT_IQ4_XS = 8, QUANT_IQ4_NL = 9, QUANT_Q3_K = 10,
        QUANT_Q2_K = 11, QUANT_IQ4_TAB = 12, QUANT_IQ4_TAB16 = 13, QUANT_IQ2_GRID = 14, QUANT_IQ1_TRIT = 15,
-       QUANT_IQ3_TAB16 = 16, QUANT_NUM_TYPES = 17 };
+       QUANT_IQ3_TAB16 = 16, QUANT_TQ2_0 = 17, QUANT_NUM_TYPES = 18 };
 
 /* The path built: 2 AVX-512 VNNI, 1 AVX2, 0 plain C on vectors (the same arithmetic on the same layout). */
 int gemm_quant_path(void);

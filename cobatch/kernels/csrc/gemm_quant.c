@@ -1,6 +1,6 @@
 /* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 2.6 to 8.5 bits per
  * weight (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ4_TAB, IQ4_TAB16,
- * IQ2_GRID, IQ1_TRIT, IQ3_TAB16), x fp32 or bf16, fp32 accumulation.
+ * IQ2_GRID, IQ1_TRIT, IQ3_TAB16, TQ2_0), x fp32 or bf16, fp32 accumulation.
  *
  * Why: decode at small batch streams every weight from DRAM once per step, so its time is the weights'
  * bytes over the memory bandwidth: Q8_0 reads 1.06 bytes a weight against bf16's 2 and fp32's 4, Q6_K 0.82,
@@ -41,7 +41,9 @@
  *           with s = 2 ls + 1 and min = s (8 -+ 1) (IQ1_S's delta of +-1/8 folded in): Q4_K's sums with Q2_K's
  *           codes, IQ1_S at 2.19 bits a weight (models/iq1_trit.py);
  *     IQ3_TAB16: IQ4_TAB16's scales, table, a and o, the index 3 bits in Q3_K's code layout: IQ2_XS, IQ2_S and
- *           IQ1_M (6 values each) at 3.69 bits a weight against IQ4_TAB16's 4.75.
+ *           IQ1_M (6 values each) at 3.69 bits a weight against IQ4_TAB16's 4.75;
+ *     TQ2_0: c = the 2-bit code 0..3, a = d, o = 1, no sub-block scale (w = d (c - 1)): a K-quant whose 256-block
+ *           sums need no multiply, ternary files (TQ2_0 as it is, TQ1_0 as TQ2_0) at 2.06 bits a weight.
  *
  * Layout (kernels/quant_linear.py packs it once at load from GGUF's blocks; the same bytes, reordered): the
  * weight is cut into panels of 16 output rows, and each panel into its blocks along K (32 weights, K-quants:
@@ -82,6 +84,7 @@
  *                       32-block c: low[2][16][4] as Q2_K's
  *     IQ3_TAB16 (1888 bytes): d[16] fp16 | scales[16][16] int8 as Q6_K's | per 32-block c: low[2][16][4] |
  *                       hb[16][4] as Q3_K's (the table index) | table[16][4] as IQ4_TAB's
+ *     TQ2_0 (1056 bytes): d[16] fp16 | per 32-block c: low[2][16][4] as Q2_K's (from GGUF's qs, Q2_K's order)
  *     Q6_K (3360 bytes): d[16] fp16 | scales[16][16] int8 (sub-block s of lane l at 16 s + l) | then per
  *                       32-block c (0..7) of the super-block, per half h: v[3][16][4]: byte (r, l, t) =
  *                       the code of K 32 c + 16 h + 4 r + t in bits 0..5, and bits 2 r, 2 r + 1 of the
@@ -166,16 +169,16 @@
 /* Bytes of one panel block and weights per format block. */
 static const int64_t PANEL_BYTES[QUANT_NUM_TYPES] = {NR * 34, NR * 18, NR * 144, NR * 22, NR * 210, NR * 176,
                                                      NR * 20, NR * 24, NR * 136, NR * 36, NR * 110, NR * 84,
-                                                     NR * 140, NR * 152, NR * 72, NR * 70, NR * 118};
+                                                     NR * 140, NR * 152, NR * 72, NR * 70, NR * 118, NR * 66};
 static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 32, 256, 64, 256, 256, 256, 256, 256,
-                                                 256, 256};
+                                                 256, 256, 256};
 /* Every format, for the per-format tile copies (QTILE_FN) and their table by qtype: X(name, qtype). */
 #define QUANT_FORMATS(X)                                                                                     \
     X(tile_q8_0, QUANT_Q8_0) X(tile_q4_0, QUANT_Q4_0) X(tile_q4_k, QUANT_Q4_K) X(tile_q5_0, QUANT_Q5_0)      \
     X(tile_q6_k, QUANT_Q6_K) X(tile_q5_k, QUANT_Q5_K) X(tile_q4_1, QUANT_Q4_1) X(tile_q5_1, QUANT_Q5_1)      \
     X(tile_iq4_xs, QUANT_IQ4_XS) X(tile_iq4_nl, QUANT_IQ4_NL) X(tile_q3_k, QUANT_Q3_K) X(tile_q2_k, QUANT_Q2_K)    \
     X(tile_iq4_tab, QUANT_IQ4_TAB) X(tile_iq4_tab16, QUANT_IQ4_TAB16) X(tile_iq2_grid, QUANT_IQ2_GRID)         \
-    X(tile_iq1_trit, QUANT_IQ1_TRIT) X(tile_iq3_tab16, QUANT_IQ3_TAB16)
+    X(tile_iq1_trit, QUANT_IQ1_TRIT) X(tile_iq3_tab16, QUANT_IQ3_TAB16) X(tile_tq2_0, QUANT_TQ2_0)
 #define QTILE_ENTRY(NAME, QT) [QT] = NAME,
 /* Where the 4-bit codes of 32-block j (and of its pair's other half) start in a Q4_K / Q5_K panel block.
  * Q5_K's pair of 32-blocks keeps its first block's fifth bits (K5_HB) before the codes and its second's
@@ -193,14 +196,19 @@ static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 
 
 /* Q3_K and Q2_K: 2-bit codes regrouped alike (Q3_K's third bit apart), 16 scales a 256-block unpacked at once. */
 #define IS_LOW2(qtype) ((qtype) == QUANT_Q3_K || (qtype) == QUANT_Q2_K)
-/* The formats with Q2_K's 2-bit code vectors (IQ1_TRIT's with 8 scales a 256-block). */
-#define HAS_LOW2(qtype) (IS_LOW2(qtype) || (qtype) == QUANT_IQ1_TRIT)
+/* The formats whose codes are Q2_K's 2-bit vectors alone (IQ1_TRIT's with 8 scales a 256-block, TQ2_0's with none). */
+#define IS_CODE2(qtype) ((qtype) == QUANT_Q2_K || (qtype) == QUANT_IQ1_TRIT || (qtype) == QUANT_TQ2_0)
+/* The formats with Q2_K's 2-bit code vectors (Q3_K's the low bits of its codes). */
+#define HAS_LOW2(qtype) (IS_LOW2(qtype) || IS_CODE2(qtype))
+/* TQ2_0: a K-quant without sub-block scales (a scale of 1: its sums are not multiplied). */
+#define UNIT_SCALE(qtype) ((qtype) == QUANT_TQ2_0)
 /* Q3_K's 3-bit codes (the low 2 bits, then a vector of third bits): Q3_K's own and IQ3_TAB16's table indices. */
 #define IS_CODE3(qtype) ((qtype) == QUANT_Q3_K || (qtype) == QUANT_IQ3_TAB16)
 /* Where 32-block j's low 2 bits start in a panel block of those (HAS_LOW2, IS_CODE3). */
 #define LOW2_AT(qtype, j)                                                                                     \
     ((qtype) == QUANT_Q3_K ? Q3_CODES + 192 * (j) : (qtype) == QUANT_IQ3_TAB16 ? T3_CODES + 192 * (j)         \
-     : (qtype) == QUANT_Q2_K ? Q2_CODES + 128 * (j) : T1_CODES + 128 * (j))
+     : (qtype) == QUANT_Q2_K ? Q2_CODES + 128 * (j) : (qtype) == QUANT_TQ2_0 ? TQ2_CODES + 128 * (j)         \
+     : T1_CODES + 128 * (j))
 /* Integer sums per 32-block: 2 for Q6_K, Q3_K, Q2_K (one per 16-weight sub-block, each with its own scale),
  * else 1. */
 /* Q6_K's int8 scale per 16 weights at 32 + 16 s + l (q6_scales) */
@@ -238,6 +246,7 @@ static inline int sums_per_block(int qtype) { return Q6_SCALES(qtype) || IS_LOW2
 #define Q3_CODES 224   /* where a Q3_K panel block's codes start (after d and the scales), 192 bytes a 32-block */
 #define Q2_CODES 320   /* where a Q2_K panel block's codes start (after d, dmin, the scales), 128 bytes a 32-block */
 #define T1_CODES 96    /* where an IQ1_TRIT panel block's codes start (after d and the scales), as Q2_K's */
+#define TQ2_CODES 32   /* where a TQ2_0 panel block's codes start (after d), as Q2_K's */
 #define T3_CODES 288   /* where an IQ3_TAB16 panel block's codes start (after d and the scales), as Q3_K's */
 #define T3_TAB 1824    /* where its table line starts */
 /* IQ1_TRIT's min of a scale nibble n (ls | 8 where IQ1_S's delta is -1/8): s (8 - delta 8), s = 2 ls + 1, in units
@@ -315,7 +324,7 @@ static inline const uint8_t *q6_scales(const uint8_t *blk, int64_t j, int hf) {
  * so a whole block's integer sums add up as integers before one fp32 step (llama.cpp's Q8_K). */
 #define IS_K_QUANT(qtype) (HAS_MINS(qtype) || Q6_SCALES(qtype) || IS_XS(qtype) || HAS_LOW2(qtype))
 /* The K-quants whose sub-block scales are unpacked once per 256-block (kscale), rather than read per 32. */
-#define HAS_KSCALE(qtype) (HAS_MINS(qtype) || IS_XS(qtype) || HAS_LOW2(qtype))
+#define HAS_KSCALE(qtype) (HAS_MINS(qtype) || IS_XS(qtype) || (HAS_LOW2(qtype) && !UNIT_SCALE(qtype)))
 /* The K-quants with a min per sub-block, subtracted once per 256-block as dmin dx sum_i min_i sum(q of i). */
 #define HAS_KMIN(qtype) (HAS_MINS(qtype) || (qtype) == QUANT_Q2_K || (qtype) == QUANT_IQ1_TRIT)
 /* Codes that are a signed int8 + 128 (Q8_0, IQ4_NL, IQ4_XS's, IQ2_GRID's): the AVX2 path multiplies |w| by x with
@@ -447,6 +456,7 @@ static inline float code_offset(int qtype) {
     case QUANT_IQ2_GRID: case QUANT_IQ3_TAB16: return 128.0f;
     case QUANT_Q6_K: return 32.0f;
     case QUANT_Q3_K: return 4.0f;
+    case QUANT_TQ2_0: return 1.0f;
     case QUANT_Q5_0: return 16.0f;
     case QUANT_Q4_1: case QUANT_Q5_1: case QUANT_Q2_K: case QUANT_IQ1_TRIT: return 0.0f;
     default: return 8.0f;
@@ -550,7 +560,7 @@ static inline int code_at(int qtype, const uint8_t *blk, int lane, int j, int k)
         const int c = low | (((v[128 + 4 * lane + t] >> g) & 1) << 2);
         return qtype == QUANT_Q3_K ? c : code_table(qtype, blk)[c];
     }
-    if (qtype == QUANT_Q2_K || qtype == QUANT_IQ1_TRIT)
+    if (IS_CODE2(qtype))
         return (blk[LOW2_AT(qtype, j % 8) + 64 * (g / 4) + 4 * lane + t] >> (2 * (g % 4))) & 3;
     if (IS_NIBBLE_32(qtype)) {
         const int low = (blk[NIBBLES_AT(qtype) + 64 * (g % 4) + 4 * lane + t] >> (g < 4 ? 0 : 4)) & 0xf;
@@ -609,7 +619,7 @@ INLINE LaneWords code_words(int qtype, const uint8_t *blk, int j, int g) {
             for (int t = 0; t < 4; t++) out[lane] |= (uint32_t)table[(c[lane] >> (8 * t)) & 0x7] << (8 * t);
         return out;
     }
-    if (qtype == QUANT_Q2_K || qtype == QUANT_IQ1_TRIT)
+    if (IS_CODE2(qtype))
         return (load_lanes(blk + LOW2_AT(qtype, j % 8) + 64 * (g / 4)) >> (2 * (g % 4))) & 0x03030303u;
     if (XS_CODES(qtype) || qtype == QUANT_IQ4_NL) {  /* each index through the table */
         const int at = XS_CODES(qtype) ? CODES_AT(qtype) + 256 * (j % 8) : 32;
@@ -647,9 +657,13 @@ INLINE void block_codes(int qtype, const uint8_t *blk, int j, LaneInts ct[QB]) {
 }
 
 /* The K-quants' integer scales of 32-block j, per lane: Q4_K / Q5_K / IQ1_TRIT its scale and min, Q6_K and Q3_K
- * each half's scale (sc[0], sc[1]), Q2_K each half's scale and min, IQ4_XS its scale. */
+ * each half's scale (sc[0], sc[1]), Q2_K each half's scale and min, IQ4_XS its scale, TQ2_0 1. */
 INLINE void k_scales(int qtype, const uint8_t *blk, int j, LaneInts sc[2], LaneInts mn[2]) {
     for (int lane = 0; lane < NR; lane++) {
+        if (UNIT_SCALE(qtype)) {
+            sc[0][lane] = 1;
+            continue;
+        }
         if (qtype == QUANT_IQ1_TRIT) {
             const int n = t1_nibble(blk, lane, j % 8);
             sc[0][lane] = 2 * (n & 7) + 1, mn[0][lane] = T1_MIN[n];
@@ -761,7 +775,7 @@ INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
         iq2_code_bytes(blk, j, g, bytes);
         return load256(bytes + 32 * h);
     }
-    if (qtype == QUANT_Q2_K || qtype == QUANT_IQ1_TRIT) {
+    if (IS_CODE2(qtype)) {
         const __m256i v = load256(blk + LOW2_AT(qtype, j) + 64 * (g / 4) + 32 * h);
         return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (g % 4)), _mm256_set1_epi8(3));
     }
@@ -868,7 +882,9 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
  * 6-bit; Q8_0's |w| <= 128 leaves room for one. A third fewer instructions per 4-bit vector; the sums stay
  * exact integers, so the bits are the same. */
 INLINE int pairs_per_widen(int qtype) {
-    if (qtype == QUANT_Q4_0 || qtype == QUANT_Q4_1 || qtype == QUANT_Q4_K || qtype == QUANT_IQ1_TRIT) return 8;
+    if (qtype == QUANT_Q4_0 || qtype == QUANT_Q4_1 || qtype == QUANT_Q4_K || qtype == QUANT_IQ1_TRIT ||
+        qtype == QUANT_TQ2_0)
+        return 8;
     if (IS_FIFTH_32(qtype) || qtype == QUANT_Q5_K || IS_LOW2(qtype)) return 4;  /* Q3_K, Q2_K: 4-vector halves */
     return qtype == QUANT_Q6_K ? 2 : 1;
 }
@@ -950,7 +966,8 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 4
             for (int m = 0; m < mr; m++)
                 for (int h = 0; h < 2; h++) {
-                    const __m256i v = IS_K_QUANT(qtype) ? _mm256_mullo_epi32(half[m][h], sc[hf][h]) : half[m][h];
+                    const __m256i v = IS_K_QUANT(qtype) && !UNIT_SCALE(qtype) ? _mm256_mullo_epi32(half[m][h], sc[hf][h])
+                                                                               : half[m][h];
                     sum[m][h] = hf == 0 ? v : _mm256_add_epi32(sum[m][h], v);
                 }
         }
@@ -1269,8 +1286,8 @@ INLINE int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v
 #ifndef L1_NEAR
 #define L1_NEAR 4
 #endif
-static int single_prefetch[QUANT_NUM_TYPES] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-_Static_assert(QUANT_NUM_TYPES == 17, "single_prefetch starts at 1 for each format");
+static int single_prefetch[QUANT_NUM_TYPES] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+_Static_assert(QUANT_NUM_TYPES == 18, "single_prefetch starts at 1 for each format");
 
 void gemm_quant_set_single_prefetch_for(int qtype, int level) {
     if (qtype >= 0 && qtype < QUANT_NUM_TYPES) single_prefetch[qtype] = level;
@@ -1397,14 +1414,14 @@ INLINE void block_half(int qtype, const QuantRows *x, int64_t m0, int mr, const 
         for (int i = 0; i < mr * NZ; i++) half[i] = _mm512_add_epi32(half[i], odd[i]);
 #pragma GCC unroll 4
     for (int z = 0; z < nz; z++) {  /* the K-quants: times the sub-block's scale (Numerics) */
-        const __m512i sc = !IS_K_QUANT(qtype) ? _mm512_setzero_si512()
+        const __m512i sc = !IS_K_QUANT(qtype) || UNIT_SCALE(qtype) ? _mm512_setzero_si512()
                            : HAS_KSCALE(qtype) ? kscale[z][IS_LOW2(qtype) ? 2 * jj + hf : jj]
                            : _mm512_cvtepi8_epi32(
                                  _mm_loadu_si128((const __m128i *)q6_scales(blk[z], j, hf)));
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
-            const __m512i scaled = IS_K_QUANT(qtype) ? _mm512_mullo_epi32(half[m * NZ + z], sc)
-                                                     : half[m * NZ + z];
+            const __m512i scaled = IS_K_QUANT(qtype) && !UNIT_SCALE(qtype) ? _mm512_mullo_epi32(half[m * NZ + z], sc)
+                                                                           : half[m * NZ + z];
             sum[m * NZ + z] = hf == 0 && !IS_K_QUANT(qtype) ? scaled : _mm512_add_epi32(sum[m * NZ + z], scaled);
         }
     }
@@ -1728,7 +1745,8 @@ INLINE void amx_k_decode(int qtype, const uint8_t *w, int64_t K, int64_t p, int6
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++) {
             const int hf = g * halves / 8;
-            const __m512i sc = HAS_KSCALE(qtype) ? kscale[IS_LOW2(qtype) ? 2 * jj + hf : jj]
+            const __m512i sc = UNIT_SCALE(qtype) ? _mm512_set1_epi32(1)
+                               : HAS_KSCALE(qtype) ? kscale[IS_LOW2(qtype) ? 2 * jj + hf : jj]
                                : _mm512_cvtepi8_epi32(
                                      _mm_loadu_si128((const __m128i *)q6_scales(blk, j0 + jj, hf)));
             const __m512i sc16 = _mm512_or_si512(_mm512_and_si512(sc, _mm512_set1_epi32(0xffff)),
@@ -2150,14 +2168,16 @@ static const Piece PIECES[QUANT_NUM_TYPES][5] = {
     {{0, 0, 2, 2}, {2, 32, 2, 2}, {4, 64, 4, 4}},                      /* IQ2_GRID: IQ4_XS's (idx, neg: below) */
     {{0, 0, 2, 2}, {2, 32, 4, 4}},                                     /* IQ1_TRIT: d | scales (codes: below) */
     {{0, 0, 2, 2}, {2, 32, 16, 1}, {114, T3_TAB, 4, 4}},               /* IQ3_TAB16: d | scales | table share */
+    {{64, 0, 2, 2}},                                                   /* TQ2_0: d (codes: below) */
 };
 
-/* Q3_K's, Q2_K's and IQ1_TRIT's 256 codes of row lane (GGUF: Q3_K hmask[32] | qs[64] | scales[12] | d, Q2_K
- * scales[16] | qs[64] | d | dmin, IQ1_TRIT d | scales[4] | qs[64]; K 128 n + 32 i + l (l < 32) has its low 2 bits
+/* Q3_K's, Q2_K's, IQ1_TRIT's and TQ2_0's 256 codes of row lane (GGUF: Q3_K hmask[32] | qs[64] | scales[12] | d,
+ * Q2_K scales[16] | qs[64] | d | dmin, IQ1_TRIT d | scales[4] | qs[64], TQ2_0 qs[64] | d; K 128 n + 32 i + l (l < 32) has its low 2 bits
  * at bit 2 i of qs[32 n + l], Q3_K its third at bit 4 n + i of hmask[l]) -> the packed vectors (into a zeroed
  * dst). */
 static void pack_low2_codes(int qtype, const uint8_t *src, int lane, uint8_t *dst) {
-    const uint8_t *qs = src + (qtype == QUANT_Q3_K ? 32 : qtype == QUANT_Q2_K ? 16 : qtype == QUANT_IQ3_TAB16 ? 50 : 6);
+    const uint8_t *qs = src + (qtype == QUANT_Q3_K ? 32 : qtype == QUANT_Q2_K ? 16 : qtype == QUANT_IQ3_TAB16 ? 50
+                               : qtype == QUANT_TQ2_0 ? 0 : 6);
     const uint8_t *hmask = src + (qtype == QUANT_Q3_K ? 0 : 18);  /* IQ3_TAB16: d | scales[16] | hmask | qs | share */
     for (int k = 0; k < 256; k++) {
         const int n = k / 128, i = k % 128 / 32, l = k % 32;
