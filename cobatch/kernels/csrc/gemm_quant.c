@@ -1688,8 +1688,10 @@ static void decoded_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t num
  * and plane: sum(lo q) + 128 sum(hi q) is k_block's ksum exactly, the scaled sub-block sums added up (|ksum| <
  * 2^28), so k_block_end turns it to fp32 as on the VNNI tiles and a row's bits are the same. Why the planes: a
  * tile's sums reach the vector registers only through memory, and loads wait for a pending tile store, so a
- * store per sub-block (its scale applied after it) left the unit idle: 8 stores a 256-block against 2 here. */
+ * store per sub-block (its scale applied after it) left the unit idle: 8 stores a 256-block against 2 here.
+ * TQ2_0's p = c - 1 (no scale) is an int8 as it is: one plane, half the products and stores (ONE_PLANE). */
 #define AMX_ROWS 16
+#define ONE_PLANE(qtype) UNIT_SCALE(qtype)
 /* Rows a task needs to take the tile unit (0: never). The K-quants: below them the planes' decode, which fewer
  * groups share, costs more than the VNNI tiles' sums. One thread, 8192 x 2048 out of cache, an AMX Xeon
  * (docs/BENCHMARKS.md, Quantized weights): at 16 rows Q6_K ran 0.88x, Q3_K 1.07x, Q2_K 1.00x; at 32 Q6_K
@@ -1698,12 +1700,13 @@ static void decoded_tiles(int qtype, const QuantRows *x, int64_t m0, int64_t num
  * (amx_q_products), whose every 32-block's sums are stored and scaled: at 16 rows Q4_0 0.92x, Q5_0 0.87x, IQ4_NL
  * 0.91x; at 48 1.01-1.12x; at 128 Q4_0 1.26-1.33x, Q5_0 1.24-1.26x, IQ4_NL 1.02-1.22x. Never Q8_0 (its VNNI codes
  * need no decode: at 48 0.88-0.95x, at 128 0.86x and 1.13x in two runs), Q4_1 and Q5_1 (a min's FMA a block
- * more: 0.77-0.99x up to 128). */
+ * more: 0.77-0.99x up to 128). TQ2_0, one plane (8192 x 2048, 2026-12-07): at 16 rows 1.34x. */
 static inline int64_t amx_min_rows(int qtype) {
 #ifdef AMX_MIN_ROWS_ALL  /* one threshold for every format: A/B runs of builds (quant_builds_microbench --variant) */
     return AMX_MIN_ROWS_ALL;
 #endif
     if (HAS_BLOCK_MIN(qtype) || qtype == QUANT_Q8_0) return 0;
+    if (ONE_PLANE(qtype)) return AMX_ROWS;
     return HAS_MINS(qtype) || !IS_K_QUANT(qtype) ? 3 * AMX_ROWS : 2 * AMX_ROWS;
 }
 #define AMX_PLANE_AT(z, plane, jj, g) ((((int64_t)(z) * 2 + (plane)) * DECODED_BLOCKS + (jj)) * 512 + 64 * (g))
@@ -1745,13 +1748,16 @@ INLINE void amx_k_decode(int qtype, const uint8_t *w, int64_t K, int64_t p, int6
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++) {
             const int hf = g * halves / 8;
-            const __m512i sc = UNIT_SCALE(qtype) ? _mm512_set1_epi32(1)
-                               : HAS_KSCALE(qtype) ? kscale[IS_LOW2(qtype) ? 2 * jj + hf : jj]
+            const __m512i c = _mm512_sub_epi8(codes(qtype, blk, jj, g, 0), off);
+            if (ONE_PLANE(qtype)) {
+                _mm512_store_si512(dec + AMX_PLANE_AT(0, 0, jj, g), c);
+                continue;
+            }
+            const __m512i sc = HAS_KSCALE(qtype) ? kscale[IS_LOW2(qtype) ? 2 * jj + hf : jj]
                                : _mm512_cvtepi8_epi32(
                                      _mm_loadu_si128((const __m128i *)q6_scales(blk, j0 + jj, hf)));
             const __m512i sc16 = _mm512_or_si512(_mm512_and_si512(sc, _mm512_set1_epi32(0xffff)),
                                                  _mm512_slli_epi32(sc, 16));
-            const __m512i c = _mm512_sub_epi8(codes(qtype, blk, jj, g, 0), off);
             const __m512i even = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(c, 8), 8), sc16);
             const __m512i odd = _mm512_mullo_epi16(_mm512_srai_epi16(c, 8), sc16);
             const __m512i lo = _mm512_or_si512(_mm512_and_si512(even, low7),
@@ -1765,32 +1771,34 @@ INLINE void amx_k_decode(int qtype, const uint8_t *w, int64_t K, int64_t p, int6
 }
 
 /* The products of a 256-block (from 32-block j0) for rows m0 .. m0 + 16 with a panel's planes (dec) into tiles 3
- * and 4, 64 K a step. */
-INLINE void amx_k_products(const QuantRows *x, int64_t m0, int64_t K, int64_t j0, const uint8_t *dec) {
+ * and 4 (ONE_PLANE: 3), 64 K a step. */
+INLINE void amx_k_products(int qtype, const QuantRows *x, int64_t m0, int64_t K, int64_t j0, const uint8_t *dec) {
     _tile_zero(3);
-    _tile_zero(4);
+    if (!ONE_PLANE(qtype)) _tile_zero(4);
     for (int t = 0; t < DECODED_BLOCKS / 2; t++) {  /* 32-blocks 2 t, 2 t + 1 */
         _tile_loadd(0, x->q + m0 * K + j0 * QB + 2 * QB * t, K);
         _tile_loadd(1, dec + AMX_PLANE_AT(0, 0, 2 * t, 0), 64);
-        _tile_loadd(2, dec + AMX_PLANE_AT(0, 1, 2 * t, 0), 64);
         _tile_dpbssd(3, 0, 1);
+        if (ONE_PLANE(qtype)) continue;
+        _tile_loadd(2, dec + AMX_PLANE_AT(0, 1, 2 * t, 0), 64);
         _tile_dpbssd(4, 0, 2);
     }
 }
 
-INLINE void amx_k_store(int32_t sums[2][AMX_ROWS][NR]) {
+INLINE void amx_k_store(int qtype, int32_t sums[2][AMX_ROWS][NR]) {
     _tile_stored(3, sums[0], 64);
-    _tile_stored(4, sums[1], 64);
+    if (!ONE_PLANE(qtype)) _tile_stored(4, sums[1], 64);
 }
 
 /* The stored planes' sums of the 256-block from 32-block j0 of panel p, rows m0 .. m0 + 16, into out's rows:
- * lo + 128 hi is k_block's ksum, then its k_block_end. */
+ * lo + 128 hi (ONE_PLANE: the one) is k_block's ksum, then its k_block_end. */
 INLINE void amx_k_epilogue(int qtype, const QuantRows *x, int64_t m0, const uint8_t *w, int64_t K, int64_t p,
                            int64_t j0, float *out, int64_t ldo, int32_t sums[2][AMX_ROWS][NR]) {
     __m512i ksum[AMX_ROWS * NZ];  /* k_block_end's order: this panel's at m NZ */
     for (int m = 0; m < AMX_ROWS; m++)
-        ksum[m * NZ] = _mm512_add_epi32(_mm512_load_si512(sums[0][m]),
-                                        _mm512_slli_epi32(_mm512_load_si512(sums[1][m]), 7));
+        ksum[m * NZ] = ONE_PLANE(qtype) ? _mm512_load_si512(sums[0][m])
+                                        : _mm512_add_epi32(_mm512_load_si512(sums[0][m]),
+                                                           _mm512_slli_epi32(_mm512_load_si512(sums[1][m]), 7));
     const uint8_t *blk0 = panel_block(qtype, w, K, p, j0);
     k_block_end(qtype, x, m0, AMX_ROWS, &blk0, 1, j0 + KB / QB - 1, ksum, out, ldo);
 }
@@ -1895,12 +1903,12 @@ INLINE void amx_decode(int qtype, const uint8_t *w, int64_t K, int64_t p, int64_
 
 /* An item's products; dec: its panel's codes (AMX_DEC_AT), its first 32-block's. */
 INLINE void amx_products(int qtype, const QuantRows *x, int64_t m0, int64_t K, const AmxItem *it, const uint8_t *dec) {
-    if (IS_K_QUANT(qtype)) amx_k_products(x, m0 + it->g * AMX_ROWS, K, it->j, dec);
+    if (IS_K_QUANT(qtype)) amx_k_products(qtype, x, m0 + it->g * AMX_ROWS, K, it->j, dec);
     else amx_q_products(x, m0 + it->g * AMX_ROWS, K, it->j, it->count, dec);
 }
 
 INLINE void amx_store(int qtype, AmxItem *it) {
-    if (IS_K_QUANT(qtype)) amx_k_store(it->sums);
+    if (IS_K_QUANT(qtype)) amx_k_store(qtype, it->sums);
     else amx_q_store(it->count, it->sums);
 }
 
