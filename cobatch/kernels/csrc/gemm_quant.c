@@ -106,7 +106,7 @@
  * panels at a time are decoded into a 12 KB buffer in L1, then every micro-tile takes them from it, where
  * each would otherwise decode them again. Decoding a task's whole panels at once ran slower (twice the bytes
  * from L2 a code vector: a Zen 4, 2048 x 8192 at 16 rows, Q4_0 0.85x, Q4_K 0.67x). Where the CPU has AMX-INT8,
- * a task of 32 or 48 rows or more (amx_min_rows) takes its full 16-row groups' integer sums from the tile unit
+ * a task of 32 or 48 rows or more (TQ2_0: 16; amx_min_rows) takes its full 16-row groups' integer sums from the tile unit
  * instead: a K-quant's a 256-block at a time (amx_k_decode), Q4_0's, Q5_0's and IQ4_NL's a 32-block at a time
  * (amx_q_decode), through one pipeline (amx_tiles_of).
  *
