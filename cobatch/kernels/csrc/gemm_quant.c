@@ -106,8 +106,8 @@
  * panels at a time are decoded into a 12 KB buffer in L1, then every micro-tile takes them from it, where
  * each would otherwise decode them again. Decoding a task's whole panels at once ran slower (twice the bytes
  * from L2 a code vector: a Zen 4, 2048 x 8192 at 16 rows, Q4_0 0.85x, Q4_K 0.67x). Where the CPU has AMX-INT8,
- * a task of 32 or 48 rows or more (TQ2_0: 16; amx_min_rows) takes its full 16-row groups' integer sums from the tile unit
- * instead: a K-quant's a 256-block at a time (amx_k_decode), Q4_0's, Q5_0's and IQ4_NL's a 32-block at a time
+ * a task of 32 or 48 rows or more (TQ2_0: 16; amx_min_rows) takes its full 16-row groups' integer sums from the
+ * tile unit instead: a K-quant's a 256-block at a time (amx_k_decode), Q4_0's, Q5_0's and IQ4_NL's a 32-block at a time
  * (amx_q_decode), through one pipeline (amx_tiles_of).
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
@@ -200,6 +200,9 @@ static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 
 #define IS_CODE2(qtype) ((qtype) == QUANT_Q2_K || (qtype) == QUANT_IQ1_TRIT || (qtype) == QUANT_TQ2_0)
 /* The formats with Q2_K's 2-bit code vectors (Q3_K's the low bits of its codes). */
 #define HAS_LOW2(qtype) (IS_LOW2(qtype) || IS_CODE2(qtype))
+/* Q2_K, Q3_K and IQ1_TRIT: a sub-block's integer sum fits in 16 bits (|sum| <= 32 x 3 x 127; Q3_K's 16 x 4 x 127), and
+ * their unpacked scales (kscale) have a zero top half, so a scale multiplies it in one vpmaddwd. */
+#define SUMS_FIT_16(qtype) (IS_LOW2(qtype) || (qtype) == QUANT_IQ1_TRIT)
 /* TQ2_0: a K-quant without sub-block scales (a scale of 1: its sums are not multiplied). */
 #define UNIT_SCALE(qtype) ((qtype) == QUANT_TQ2_0)
 /* Q3_K's 3-bit codes (the low 2 bits, then a vector of third bits): Q3_K's own and IQ3_TAB16's table indices. */
@@ -966,8 +969,8 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
 #pragma GCC unroll 4
             for (int m = 0; m < mr; m++)
                 for (int h = 0; h < 2; h++) {
-                    const __m256i v = IS_K_QUANT(qtype) && !UNIT_SCALE(qtype) ? _mm256_mullo_epi32(half[m][h], sc[hf][h])
-                                                                               : half[m][h];
+                    const int times_scale = IS_K_QUANT(qtype) && !UNIT_SCALE(qtype);
+                    const __m256i v = times_scale ? _mm256_mullo_epi32(half[m][h], sc[hf][h]) : half[m][h];
                     sum[m][h] = hf == 0 ? v : _mm256_add_epi32(sum[m][h], v);
                 }
         }
@@ -1220,8 +1223,10 @@ INLINE void q3_unpack(const uint8_t *blk, __m512i sc[16]) {
         _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(a1, 4), low), _mm512_srli_epi32(a2, 2), top,
                                   0xF8)};
 #pragma GCC unroll 16
-    for (int s = 0; s < 16; s++)
-        sc[s] = _mm512_srai_epi32(_mm512_slli_epi32(_mm512_sub_epi8(w[s / 4], bias), 24 - 8 * (s % 4)), 24);
+    for (int s = 0; s < 16; s++) {
+        const __m512i byte = _mm512_slli_epi32(_mm512_sub_epi8(w[s / 4], bias), 24 - 8 * (s % 4));
+        sc[s] = _mm512_and_si512(_mm512_srai_epi32(byte, 24), _mm512_set1_epi32(0xffff));  /* int16: SUMS_FIT_16 */
+    }
 }
 
 /* Q2_K: a 256-block's 16 sub-block scales (q2_scale_min), a vector each, from its 4 vectors of scale bytes. */
@@ -1420,8 +1425,10 @@ INLINE void block_half(int qtype, const QuantRows *x, int64_t m0, int mr, const 
                                  _mm_loadu_si128((const __m128i *)q6_scales(blk[z], j, hf)));
 #pragma GCC unroll 8
         for (int m = 0; m < mr; m++) {
-            const __m512i scaled = IS_K_QUANT(qtype) && !UNIT_SCALE(qtype) ? _mm512_mullo_epi32(half[m * NZ + z], sc)
-                                                                           : half[m * NZ + z];
+            /* where a sum fits in 16 bits and its scale's top half is 0, one vpmaddwd: vpmulld is two uops */
+            const __m512i scaled = UNIT_SCALE(qtype) || !IS_K_QUANT(qtype) ? half[m * NZ + z]
+                                   : SUMS_FIT_16(qtype) ? _mm512_madd_epi16(half[m * NZ + z], sc)
+                                                        : _mm512_mullo_epi32(half[m * NZ + z], sc);
             sum[m * NZ + z] = hf == 0 && !IS_K_QUANT(qtype) ? scaled : _mm512_add_epi32(sum[m * NZ + z], scaled);
         }
     }
@@ -2181,8 +2188,8 @@ static const Piece PIECES[QUANT_NUM_TYPES][5] = {
 
 /* Q3_K's, Q2_K's, IQ1_TRIT's and TQ2_0's 256 codes of row lane (GGUF: Q3_K hmask[32] | qs[64] | scales[12] | d,
  * Q2_K scales[16] | qs[64] | d | dmin, IQ1_TRIT d | scales[4] | qs[64], TQ2_0 qs[64] | d; K 128 n + 32 i + l (l < 32) has its low 2 bits
- * at bit 2 i of qs[32 n + l], Q3_K its third at bit 4 n + i of hmask[l]) -> the packed vectors (into a zeroed
- * dst). */
+ * at bit 2 i of qs[32 n + l], Q3_K its third at bit 4 n + i of hmask[l]) -> the packed vectors (into a
+ * zeroed dst). */
 static void pack_low2_codes(int qtype, const uint8_t *src, int lane, uint8_t *dst) {
     const uint8_t *qs = src + (qtype == QUANT_Q3_K ? 32 : qtype == QUANT_Q2_K ? 16 : qtype == QUANT_IQ3_TAB16 ? 50
                                : qtype == QUANT_TQ2_0 ? 0 : 6);
