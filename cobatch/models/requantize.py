@@ -8,9 +8,10 @@ IQ1_S to IQ1_TRIT (its ternary grid values as 2-bit codes, 2.19 bits a weight: m
 IQ3_XXS and IQ3_S to IQ4_TAB (their weights are an fp16 d times an integer scale per 32 weights times one of at
 most 16 grid values: IQ4_XS's layout with that table, at 4.375 bits a weight against Q8_0's 8.5; IQ2_XXS to
 IQ2_GRID instead, its own grid at 2.25 bits, where the CPU has AVX-512 VBMI: models/iq2_grid.py), the ternary
-TQ1_0 (d times -1, 0 or 1, 5 to a byte) to TQ2_0 (2-bit codes, 2.06 bits, which the kernel serves as it is); IQ2_XS, IQ2_S and IQ1_M (a scale per
-16 weights, 6 values) to IQ3_TAB16 (IQ4_TAB16's scales and table with 3-bit indices in Q3_K's layout: 3.69
-bits, against IQ4_TAB16's 4.75, which a 16-value table with a scale per 16 weights would take). Every other type
+TQ1_0 (d times -1, 0 or 1, 5 to a byte) to TQ2_0 (2-bit codes, 2.06 bits, which the kernel serves as it is);
+IQ2_XS, IQ2_S and IQ1_M (a scale per 16 weights, 6 values) to IQ3_TAB16 (IQ4_TAB16's scales and table with 3-bit
+indices in Q3_K's layout: 3.69 bits, against IQ4_TAB16's 4.75, which a 16-value table with a scale per 16 weights
+would take). Every other type
 (MXFP4, NVFP4, ...) is requantized to Q8_0 from its dequantized values.
 """
 

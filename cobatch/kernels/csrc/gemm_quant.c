@@ -1,4 +1,4 @@
-/* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 2.6 to 8.5 bits per
+/* GEMM on GGUF-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), W kept in its 2.06 to 8.5 bits per
  * weight (Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ4_TAB, IQ4_TAB16,
  * IQ2_GRID, IQ1_TRIT, IQ3_TAB16, TQ2_0), x fp32 or bf16, fp32 accumulation.
  *
@@ -107,8 +107,8 @@
  * each would otherwise decode them again. Decoding a task's whole panels at once ran slower (twice the bytes
  * from L2 a code vector: a Zen 4, 2048 x 8192 at 16 rows, Q4_0 0.85x, Q4_K 0.67x). Where the CPU has AMX-INT8,
  * a task of 32 or 48 rows or more (TQ2_0: 16; amx_min_rows) takes its full 16-row groups' integer sums from the
- * tile unit instead: a K-quant's a 256-block at a time (amx_k_decode), Q4_0's, Q5_0's and IQ4_NL's a 32-block at a time
- * (amx_q_decode), through one pipeline (amx_tiles_of).
+ * tile unit instead: a K-quant's a 256-block at a time (amx_k_decode), Q4_0's, Q5_0's and IQ4_NL's a 32-block at
+ * a time (amx_q_decode), through one pipeline (amx_tiles_of).
  *
  * Numerics: the integer sums are exact; each block adds its scaled sum to an fp32 total in K order, so a
  * row's result does not depend on M, the tiling or the thread count. Q6_K's two half sums are multiplied by
@@ -200,8 +200,8 @@ static const int64_t BLOCK_K[QUANT_NUM_TYPES] = {32, 32, 256, 32, 256, 256, 32, 
 #define IS_CODE2(qtype) ((qtype) == QUANT_Q2_K || (qtype) == QUANT_IQ1_TRIT || (qtype) == QUANT_TQ2_0)
 /* The formats with Q2_K's 2-bit code vectors (Q3_K's the low bits of its codes). */
 #define HAS_LOW2(qtype) (IS_LOW2(qtype) || IS_CODE2(qtype))
-/* Q2_K, Q3_K and IQ1_TRIT: a sub-block's integer sum fits in 16 bits (|sum| <= 32 x 3 x 127; Q3_K's 16 x 4 x 127), and
- * their unpacked scales (kscale) have a zero top half, so a scale multiplies it in one vpmaddwd. */
+/* Q2_K, Q3_K and IQ1_TRIT: a sub-block's integer sum fits in 16 bits (|sum| <= 32 x 3 x 127; Q3_K's 16 x 4 x 127),
+ * and their unpacked scales (kscale) have a zero top half, so a scale multiplies it in one vpmaddwd. */
 #define SUMS_FIT_16(qtype) (IS_LOW2(qtype) || (qtype) == QUANT_IQ1_TRIT)
 /* TQ2_0: a K-quant without sub-block scales (a scale of 1: its sums are not multiplied). */
 #define UNIT_SCALE(qtype) ((qtype) == QUANT_TQ2_0)
@@ -2187,9 +2187,9 @@ static const Piece PIECES[QUANT_NUM_TYPES][5] = {
 };
 
 /* Q3_K's, Q2_K's, IQ1_TRIT's and TQ2_0's 256 codes of row lane (GGUF: Q3_K hmask[32] | qs[64] | scales[12] | d,
- * Q2_K scales[16] | qs[64] | d | dmin, IQ1_TRIT d | scales[4] | qs[64], TQ2_0 qs[64] | d; K 128 n + 32 i + l (l < 32) has its low 2 bits
- * at bit 2 i of qs[32 n + l], Q3_K its third at bit 4 n + i of hmask[l]) -> the packed vectors (into a
- * zeroed dst). */
+ * Q2_K scales[16] | qs[64] | d | dmin, IQ1_TRIT d | scales[4] | qs[64], TQ2_0 qs[64] | d; K 128 n + 32 i + l
+ * (l < 32) has its low 2 bits at bit 2 i of qs[32 n + l], Q3_K its third at bit 4 n + i of hmask[l]) -> the
+ * packed vectors (into a zeroed dst). */
 static void pack_low2_codes(int qtype, const uint8_t *src, int lane, uint8_t *dst) {
     const uint8_t *qs = src + (qtype == QUANT_Q3_K ? 32 : qtype == QUANT_Q2_K ? 16 : qtype == QUANT_IQ3_TAB16 ? 50
                                : qtype == QUANT_TQ2_0 ? 0 : 6);
