@@ -15,7 +15,8 @@ as the other quantizers here do). Both servers then load the very same file. Aga
     single   one stream: --num-single requests one after another
     batch    --batch-size requests at once
 
-through `cobatch bench serve`'s client (token-id prompts, ignore_eos, the same lengths). The order of the
+through `cobatch bench serve`'s client (token-id prompts, ignore_eos, the same lengths), each after a warm-up
+load of other prompts (--cached-prompts: of its own, which both servers then find cached). The order of the
 two servers alternates per repeat (the host is shared and noisy: compare the ratios). The roofline of a
 one-stream decode is the read bandwidth (measured here, the servers' thread count) over the bytes a
 token reads: the file's matrices (the embedding table only when it is also the lm_head). On a CPU
@@ -26,6 +27,7 @@ int8 dot products for quantized files, fp32 FMAs for dense ones). JSON + plot.
 
     .venv/bin/python -m benchmarks.llama_cpp --llama-cpp DIR [--shapes smollm2-135m,qwen2.5-0.5b]
         [--formats bf16,q8_0,q4_0] [--threads 1] [--repeats 1] [--work-dir /tmp/llama_cpp_shapes] [--report]
+        [--cached-prompts]
 
 DIR is a llama.cpp tree with `build/bin/llama-server` (and for its mixes `llama-quantize`) built
 (docs/BENCHMARKS.md says how). Cells are merged into an existing --json of the same loads: a re-run of
@@ -217,9 +219,17 @@ def measure(base_url: str, requests: list[BenchRequest], concurrency: int) -> di
     return {"tok_s": report["output_throughput"], "tpot_ms_p50": report["tpot_ms"]["p50"]}
 
 
-def loads(args: argparse.Namespace) -> dict[str, tuple[list[BenchRequest], int]]:
-    return {"single": (workload(args.num_single, args.output_len, args.input_len, 0), 1),
-            "batch": (workload(args.batch_size, args.output_len, args.input_len, 1), args.batch_size)}
+def loads(args: argparse.Namespace) -> dict[str, tuple[list[BenchRequest], list[BenchRequest], int]]:
+    """Per load: its warm-up requests, its measured ones and its concurrency. The warm-up's prompts are other
+    random ids of the same lengths, so the measured run computes its prompts. With --cached-prompts the warm-up
+    sends the run's first requests (the method of the cells measured before 2026-12-07): both servers' prompt
+    caches (cobatch's prefix cache, llama-server's slot reuse) keep them, and each computes one token of each."""
+    single = workload(args.num_single, args.output_len, args.input_len, 0)
+    batch = workload(args.batch_size, args.output_len, args.input_len, 1)
+    if args.cached_prompts:
+        return {"single": (single[:1], single, 1), "batch": (batch, batch, args.batch_size)}
+    return {"single": (workload(1, args.output_len, args.input_len, 2), single, 1),
+            "batch": (workload(args.batch_size, args.output_len, args.input_len, 3), batch, args.batch_size)}
 
 
 def run_file(path: Path, args: argparse.Namespace, log_dir: Path) -> dict[str, dict]:
@@ -228,8 +238,8 @@ def run_file(path: Path, args: argparse.Namespace, log_dir: Path) -> dict[str, d
     for repeat in range(args.repeats):
         for server in SERVERS[repeat % 2:] + SERVERS[:repeat % 2]:
             with serving(server, path, args, log_dir) as base_url:
-                for load, (requests, concurrency) in loads(args).items():
-                    measure(base_url, requests[:concurrency], concurrency)  # warm-up
+                for load, (warm_up, requests, concurrency) in loads(args).items():
+                    measure(base_url, warm_up, concurrency)
                     run = measure(base_url, requests, concurrency)
                     runs[server][load].append(run)
                     print(f"  {server:12s} {load:6s} #{repeat}: {run['tok_s']:7.2f} tok/s", flush=True)
@@ -331,6 +341,8 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--cached-prompts", action="store_true",
+                        help="warm up on the measured prompts, so that both servers find them cached")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/llama_cpp_shapes"))
     parser.add_argument("--json", default=str(ROOT / "docs/bench/llama_cpp_shapes.json"))
     parser.add_argument("--plot", default=str(ROOT / "docs/img/llama_cpp_shapes.png"))

@@ -110,6 +110,19 @@ def test_llama_cpp_cells_re_measured_replace_theirs_and_keep_the_others() -> Non
     assert merged(cells, {"shape": "b", "format": "bf16", "v": 4})[-1]["shape"] == "b"
 
 
+def test_llama_cpp_warm_up_prompts_differ_from_the_measured_ones_unless_cached_prompts_asked() -> None:
+    from benchmarks.llama_cpp import loads
+
+    args = argparse.Namespace(num_single=2, batch_size=16, input_len=32, output_len=32, cached_prompts=False)
+    for warm_up, requests, concurrency in loads(args).values():
+        assert len(warm_up) == concurrency and {len(r.prompt_token_ids) for r in warm_up + requests} == {32}
+        firsts = {r.prompt_token_ids[:16] for r in requests}  # a 16-token KV block: the prefix cache's unit
+        assert not firsts & {r.prompt_token_ids[:16] for r in warm_up}
+    args.cached_prompts = True
+    for warm_up, requests, concurrency in loads(args).values():
+        assert warm_up == requests[:concurrency]
+
+
 def test_a_cells_decode_share_of_the_roofline_is_cobatchs_median_tpot_and_its_table_shows_it() -> None:
     from benchmarks.llama_cpp import decode_of_roofline, markdown
 
