@@ -957,8 +957,9 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                             c[h], SIGNED_CODES(qtype) ? _mm256_sign_epi8(xq, sign[h]) : xq);
                         pairs[m][h] = first ? p : _mm256_add_epi16(pairs[m][h], p);
                         /* kept in a register as summed: else gcc reassociates the adds into a tree over every
-                         * product and spills each one to the stack (Zen 3, 16 rows of Q4_0: 1.27x) */
-                        __asm__("" : "+x"(pairs[m][h]));
+                         * product and spills each one to the stack (Zen 3, 16 rows of Q4_0: 1.27x); one row
+                         * has registers to spare, and Q2_K's ran 0.85x so */
+                        if (mr > 1) __asm__("" : "+x"(pairs[m][h]));
                         if (last && g - hf * span < widen) {
                             const int64_t xb = (m0 + m) * nb + j;
                             const int32_t sq = halves == 2 ? x->s16[2 * xb + hf] : x->s[xb];
@@ -966,7 +967,7 @@ INLINE void tile(int qtype, const QuantRows *x, int64_t m0, int mr, const uint8_
                         } else if (last) {
                             half[m][h] = widen_add(half[m][h], pairs[m][h]);
                         }
-                        if (last) __asm__("" : "+x"(half[m][h]));  /* and the widened sums (Q8_0, 16 rows: 1.09x) */
+                        if (last && mr > 1) __asm__("" : "+x"(half[m][h]));  /* the widened sums too (Q8_0 1.09x) */
                     }
                 }
             }
