@@ -55,6 +55,11 @@
 #if HAVE_AVX512
 #include <immintrin.h>
 #endif
+/* The plain C path's softmax weights on 8 lanes where the CPU has AVX2 + FMA but no AVX-512 (exp2_avx2). */
+#define HAVE_AVX2_EXP (!HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__))
+#if HAVE_AVX2_EXP
+#include <immintrin.h>
+#endif
 #if HAVE_AVX512 && defined(__AVX512BF16__)
 #define HAVE_AVX512BF16 1
 #else
@@ -159,29 +164,63 @@ static inline float dot(const float *restrict x, const float *restrict y, int n)
         memcpy(&yv, y + i, sizeof yv);
         acc += xv * yv;
     }
-    float part[16], sum = 0.0f;
+    float part[16], half[8];
     memcpy(part, &acc, sizeof part);
     for (; i < n; i++) part[i % 16] += x[i] * y[i];
-    for (int l = 0; l < 16; l++) sum += part[l];
-    return sum;
+    /* a fixed tree, 16 -> 8 -> 4 -> 2 -> 1: vector adds where 16 scalar ones in a chain were most of a
+     * 64-wide dot on AVX2 */
+    for (int l = 0; l < 8; l++) half[l] = part[l] + part[l + 8];
+    for (int l = 0; l < 4; l++) half[l] += half[l + 4];
+    return (half[0] + half[2]) + (half[1] + half[3]);
 }
 
-/* Online-softmax step of one query head over n keys: scores s, value rows v[j] (hd each). */
+#if HAVE_AVX2_EXP
+/* 2^x on 8 lanes for x <= 0: the AVX-512 path's exp2_ps (its polynomial; 2^n built as an exponent field) */
+static inline __m256 exp2_avx2(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.525273380e-5f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.540353039e-4f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.333355815e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129108e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265070e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471806e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+#endif
+
+/* p[j] = e^(s[j] - mnew) for j < n (s holds CHUNK values): 8 at a time on AVX2 (a libm expf call per key was
+ * a third of a decode row's attention there), else expf. */
+static inline void softmax_weights(const float *s, int n, float mnew, float p[CHUNK]) {
+#if HAVE_AVX2_EXP
+    const __m256 m = _mm256_set1_ps(mnew), log2e = _mm256_set1_ps(1.44269504089f);
+    for (int j = 0; j < n; j += 8)
+        _mm256_storeu_ps(p + j, exp2_avx2(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m), log2e)));
+#else
+    for (int j = 0; j < n; j++) p[j] = expf(s[j] - mnew);
+#endif
+}
+
+/* Online-softmax step of one query head over n keys: scores s (CHUNK values, the first n valid), value
+ * rows v[j] (hd each). */
 static inline void generic_update(const float *s, int n, const float *const *v, int hd, float *mx,
                                   float *sum, float *restrict acc) {
-    float cmax = -INFINITY;
+    float cmax = -INFINITY, p[CHUNK];
     for (int j = 0; j < n; j++) cmax = s[j] > cmax ? s[j] : cmax;
     float mnew = cmax > *mx ? cmax : *mx, corr = expf(*mx - mnew);
     *mx = mnew;
     *sum *= corr;
 #pragma omp simd
     for (int d = 0; d < hd; d++) acc[d] *= corr;
+    softmax_weights(s, n, mnew, p);
     for (int j = 0; j < n; j++) {
-        float p = expf(s[j] - mnew);
         const float *restrict vj = v[j];
-        *sum += p;
+        *sum += p[j];
 #pragma omp simd
-        for (int d = 0; d < hd; d++) acc[d] += p * vj[d];
+        for (int d = 0; d < hd; d++) acc[d] += p[j] * vj[d];
     }
 }
 
@@ -214,7 +253,7 @@ static inline __attribute__((always_inline)) void generic_item(const Attn *a, co
                                                                float *buf, const int hd, const int is_bf16) {
     const int group = a->group, nt = (int)t->num_tokens, per_head = nt * group, nq = (h1 - h0) * per_head;
     float *qf = buf, *acc = qf + (int64_t)nq * hd, *mx = acc + (int64_t)nq * hd, *sum = mx + nq;
-    float *kc = sum + nq, *vc = kc + CHUNK * hd, s[CHUNK];
+    float *kc = sum + nq, *vc = kc + CHUNK * hd, s[CHUNK] = {0};  /* all CHUNK read: softmax_weights */
     const int64_t *table = a->block_tables + t->seq * a->max_blocks, last = t->context + nt - 1;
     for (int m = 0; m < nq; m++) {
         int64_t token = t->first + m / group % nt, head = (h0 + m / per_head) * group + m % group;
