@@ -56,9 +56,11 @@
 #include <immintrin.h>
 #endif
 /* The plain C path's softmax weights on 8 lanes where the CPU has AVX2 + FMA but no AVX-512 (exp2_avx2). */
-#define HAVE_AVX2_EXP (!HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__))
-#if HAVE_AVX2_EXP
+#if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2_EXP 1
 #include <immintrin.h>
+#else
+#define HAVE_AVX2_EXP 0
 #endif
 #if HAVE_AVX512 && defined(__AVX512BF16__)
 #define HAVE_AVX512BF16 1
@@ -167,8 +169,7 @@ static inline float dot(const float *restrict x, const float *restrict y, int n)
     float part[16], half[8];
     memcpy(part, &acc, sizeof part);
     for (; i < n; i++) part[i % 16] += x[i] * y[i];
-    /* a fixed tree, 16 -> 8 -> 4 -> 2 -> 1: vector adds where 16 scalar ones in a chain were most of a
-     * 64-wide dot on AVX2 */
+    /* a fixed tree, 16 -> 8 -> 4 -> 2 -> 1: vector adds, where it was a chain of 16 scalar ones */
     for (int l = 0; l < 8; l++) half[l] = part[l] + part[l + 8];
     for (int l = 0; l < 4; l++) half[l] += half[l + 4];
     return (half[0] + half[2]) + (half[1] + half[3]);
@@ -192,8 +193,8 @@ static inline __m256 exp2_avx2(__m256 x) {
 }
 #endif
 
-/* p[j] = e^(s[j] - mnew) for j < n (s holds CHUNK values): 8 at a time on AVX2 (a libm expf call per key was
- * a third of a decode row's attention there), else expf. */
+/* p[j] = e^(s[j] - mnew) for j < n (s holds CHUNK values): 8 at a time on AVX2, where it was a libm call per
+ * key; else expf. */
 static inline void softmax_weights(const float *s, int n, float mnew, float p[CHUNK]) {
 #if HAVE_AVX2_EXP
     const __m256 m = _mm256_set1_ps(mnew), log2e = _mm256_set1_ps(1.44269504089f);
