@@ -69,6 +69,9 @@
 #endif
 
 enum { CHUNK = 16 };  /* keys per softmax step: one fp32 vector of scores on AVX-512 */
+/* 2^f for |f| <= 1/2, Horner's coefficients from the highest degree (exp2_ps, exp2_avx2) */
+static const float EXP2_TAYLOR[8] = {1.525273380e-5f, 1.540353039e-4f, 1.333355815e-3f, 9.618129108e-3f,
+                                     5.550410866e-2f, 2.402265070e-1f, 6.931471806e-1f, 1.0f};
 enum { MAX_FAST_HEAD_DIM = 256 };
 #define LAZY_RESCALE_LOG2 8.0f /* see softmax_step */
 /* Software prefetch of K/V one chunk ahead, into L2 (T1): measured at decode B=64 ctx 256, 2 threads,
@@ -180,14 +183,8 @@ static inline float dot(const float *restrict x, const float *restrict y, int n)
 static inline __m256 exp2_avx2(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.525273380e-5f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.540353039e-4f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.333355815e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129108e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265070e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471806e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(EXP2_TAYLOR[0]);
+    for (int i = 1; i < 8; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_TAYLOR[i]));
     const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
@@ -405,14 +402,8 @@ static inline __m512 exp2_ps(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.525273380e-5f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.540353039e-4f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355815e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129108e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265070e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471806e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(EXP2_TAYLOR[0]);
+    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_TAYLOR[i]));
     return _mm512_scalef_ps(p, n);
 }
 
