@@ -222,7 +222,7 @@ def measure(base_url: str, requests: list[BenchRequest], concurrency: int) -> di
 def loads(args: argparse.Namespace) -> dict[str, tuple[list[BenchRequest], list[BenchRequest], int]]:
     """Per load: its warm-up requests, its measured ones and its concurrency. The warm-up's prompts are other
     random ids of the same lengths, so the measured run computes its prompts. With --cached-prompts the warm-up
-    sends the run's first requests (the method of the cells measured before 2026-12-07): both servers' prompt
+    sends the run's first requests (the method of docs/BENCHMARKS.md's tables but the AVX2 host's): both servers' prompt
     caches (cobatch's prefix cache, llama-server's slot reuse) keep them, and each computes one token of each."""
     single = workload(args.num_single, args.output_len, args.input_len, 0)
     batch = workload(args.batch_size, args.output_len, args.input_len, 1)
