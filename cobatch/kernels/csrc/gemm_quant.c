@@ -400,6 +400,44 @@ static void quantize_block(const void *x, int is_bf16, int64_t at, float id, Qua
     }
     r->s[at / QB] = (int16_t)(r->s16[at / 16] + r->s16[at / 16 + 1]);
 }
+#elif QUANT_PATH == QUANT_AVX2
+/* The same codes 8 lanes at a time: scalar, this took ~8% of a Q4_0 prefill step on Zen 3 (perf). */
+INLINE __m256 load_x8(const void *x, int is_bf16, int64_t at) {
+    return is_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + at))), 16))
+                   : _mm256_loadu_ps((const float *)x + at);
+}
+
+static float span_amax(const void *x, int is_bf16, int64_t at, int64_t span) {
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t k = 0; k < span; k += 8)  /* |x| first: vmaxps returns its second operand for a NaN */
+        amax = _mm256_max_ps(_mm256_and_ps(load_x8(x, is_bf16, at + k), sign), amax);
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+INLINE int32_t sum_lanes_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* (vcvtps2dq rounds to nearest even, as nearbyintf does by default; the packs keep 128-bit lanes apart, the
+ * permute puts the 32 codes back in order) */
+static void quantize_block(const void *x, int is_bf16, int64_t at, float id, QuantRows *r) {
+    __m256i c[4];
+    for (int i = 0; i < 4; i++) {
+        c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(load_x8(x, is_bf16, at + 8 * i), _mm256_set1_ps(id)));
+        c[i] = _mm256_max_epi32(_mm256_min_epi32(c[i], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+    }
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i *)(r->q + at),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    for (int h = 0; h < 2; h++) r->s16[at / 16 + h] = (int16_t)sum_lanes_epi32(_mm256_add_epi32(c[2 * h], c[2 * h + 1]));
+    r->s[at / QB] = (int16_t)(r->s16[at / 16] + r->s16[at / 16 + 1]);
+}
 #else
 static float span_amax(const void *x, int is_bf16, int64_t at, int64_t span) {
     float amax = 0.0f;
