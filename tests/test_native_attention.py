@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from cobatch.models.attention import AttentionMetadata, make_tiles, paged_attention
-from cobatch.kernels.attention import load_attention_kernel
+from cobatch.kernels import bindings
+from cobatch.kernels.attention import AttentionKernel, load_attention_kernel
+from cobatch.kernels.build import load_library
 from cobatch.runner.model_runner import _prepare_any, prepare_batch
 from cobatch.sampling_params import SamplingParams
 from cobatch.scheduler_output import ScheduledRow
@@ -208,6 +210,23 @@ def test_avx512_path_where_the_cpu_has_it() -> None:
         assert KERNEL.uses_avx512(torch.bfloat16, 64, 16) and KERNEL.uses_avx512(torch.bfloat16, 128, 4)
     if "avx512bw" in flags:
         assert KERNEL.uses_avx512(torch.float32, 64, 32) and KERNEL.uses_avx512(torch.float32, 80, 16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_build_without_avx2_matches_reference(dtype: torch.dtype) -> None:
+    """A CPU without AVX2 (a build with -mno-avx2, which drops AVX-512 too) runs the natural layout's plain C
+    loops, where this CPU runs them 8 lanes wide: the same results within the tolerance, every head shape."""
+    lib = load_library(("-mno-avx2",))
+    if lib is None:
+        pytest.skip("the -mno-avx2 build failed")
+    kernel = AttentionKernel(bindings.bind(lib))
+    assert not kernel.uses_avx512(dtype, 64, 16)
+    for heads in HEADS:
+        case = Case(dtype, heads, 16, MIXED_ROWS)
+        got = kernel(case.q, case.k_cache, case.v_cache, case.tables, case.tiles(), case.scale)
+        atol = TOLERANCE[dtype]
+        torch.testing.assert_close(got.double(), case.reference(), atol=atol, rtol=atol)
 
 
 @needs_kernel

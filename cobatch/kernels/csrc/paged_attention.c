@@ -38,7 +38,9 @@
  *   block_size % 4 == 0): scores with the keys along the vector lanes (no horizontal sum per key), fp32
  *   accumulation; bf16 runs QK^T and PV on vdpbf16ps with the probabilities rounded to bf16 before PV,
  *   as HF's eager bf16 attention casts them before P @ V.
- *   Otherwise plain C (generic_item), fp32 math.
+ *   Otherwise generic_item on the natural layout, fp32 math: 8 keys' scores at once (a tree of horizontal
+ *   adds), softmax weights and P V 8 lanes wide where the CPU has AVX2 + FMA, plain C else; the next chunk's
+ *   K/V prefetched as on the AVX-512 path.
  *
  * Work items (make_items): a decode row over all KV heads (it streams each block front to back), a
  * longer tile per KV head; dynamic schedule, longest first. Decode is memory-bound: the next chunk's
@@ -55,12 +57,13 @@
 #if HAVE_AVX512
 #include <immintrin.h>
 #endif
-/* The plain C path's softmax weights on 8 lanes where the CPU has AVX2 + FMA but no AVX-512 (exp2_avx2). */
-#if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
-#define HAVE_AVX2_EXP 1
+/* The plain C path's scores, softmax weights and P V on 8 lanes where the CPU has AVX2 + FMA (AVX-512 CPUs
+ * too, for the shapes and dtypes their fast path does not take). */
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
 #include <immintrin.h>
 #else
-#define HAVE_AVX2_EXP 0
+#define HAVE_AVX2 0
 #endif
 #if HAVE_AVX512 && defined(__AVX512BF16__)
 #define HAVE_AVX512BF16 1
@@ -76,9 +79,9 @@ enum { MAX_FAST_HEAD_DIM = 256 };
 #define LAZY_RESCALE_LOG2 8.0f /* see softmax_step */
 /* Software prefetch of K/V one chunk ahead, into L2 (T1): measured at decode B=64 ctx 256, 2 threads,
  * T1 beat T0 (~16-19 vs ~22-25 ms per 30 layers; T0 evicts the chunk in use from L1) and farther
- * distances were no better. -D override for such A/B builds. */
-#ifndef PREFETCH_HINT
-#define PREFETCH_HINT _MM_HINT_T1
+ * distances were no better (the plain path on Zen 3 alike). -D override for such A/B builds. */
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 2  /* __builtin_prefetch's: T1 */
 #endif
 
 /* The call's arguments, shared by all work items. */
@@ -178,7 +181,21 @@ static inline float dot(const float *restrict x, const float *restrict y, int n)
     return (half[0] + half[2]) + (half[1] + half[3]);
 }
 
-#if HAVE_AVX2_EXP
+#if HAVE_AVX2
+/* q . k[j] of 8 keys: 8 lane-wise sums over head_dim, then one tree of horizontal adds gives the 8 scores in
+ * one vector (a horizontal sum per key cost ~6 instructions each). Fixed order per key, wherever it sits. */
+static inline __m256 scores8(const float *restrict q, const float *const *k, int hd) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), a[j]);
+    }
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 /* 2^x on 8 lanes for x <= 0: the AVX-512 path's exp2_ps (its polynomial; 2^n built as an exponent field) */
 static inline __m256 exp2_avx2(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
@@ -193,13 +210,56 @@ static inline __m256 exp2_avx2(__m256 x) {
 /* p[j] = e^(s[j] - mnew) for j < n (s holds CHUNK values): 8 at a time on AVX2, where it was a libm call per
  * key; else expf. */
 static inline void softmax_weights(const float *s, int n, float mnew, float p[CHUNK]) {
-#if HAVE_AVX2_EXP
+#if HAVE_AVX2
     const __m256 m = _mm256_set1_ps(mnew), log2e = _mm256_set1_ps(1.44269504089f);
     for (int j = 0; j < n; j += 8)
         _mm256_storeu_ps(p + j, exp2_avx2(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m), log2e)));
 #else
     for (int j = 0; j < n; j++) p[j] = expf(s[j] - mnew);
 #endif
+}
+
+/* s[j] = q . k[j] for j < n (key rows k, hd each); s holds CHUNK values, those past n are left undefined. */
+static inline void chunk_scores(const float *q, const float *const *k, int n, int hd, float s[CHUNK]) {
+#if HAVE_AVX2
+    if (hd % 8 == 0) {
+        for (int j0 = 0; j0 < n; j0 += 8) {
+            const float *rows[8];
+            for (int j = 0; j < 8; j++) rows[j] = k[j0 + j < n ? j0 + j : j0];  /* a valid row past n */
+            _mm256_storeu_ps(s + j0, scores8(q, rows, hd));
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < n; j++) s[j] = dot(q, k[j], hd);
+}
+
+/* acc = corr acc + sum_j p[j] v[j] over n value rows of hd: on AVX2, 64 columns of acc at a time kept in
+ * registers over the chunk's keys (one load and store of acc per chunk instead of per key). */
+static inline void chunk_pv(const float *p, int n, const float *const *v, int hd, float corr, float *restrict acc) {
+#if HAVE_AVX2
+    if (hd % 8 == 0) {
+        const __m256 c = _mm256_set1_ps(corr);
+        for (int d0 = 0; d0 < hd; d0 += 64) {
+            const int w = hd - d0 >= 64 ? 8 : (hd - d0) / 8;
+            __m256 r[8];
+            for (int i = 0; i < w; i++) r[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * i), c);
+            for (int j = 0; j < n; j++) {
+                const __m256 pj = _mm256_set1_ps(p[j]);
+                for (int i = 0; i < w; i++) r[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v[j] + d0 + 8 * i), r[i]);
+            }
+            for (int i = 0; i < w; i++) _mm256_storeu_ps(acc + d0 + 8 * i, r[i]);
+        }
+        return;
+    }
+#endif
+#pragma omp simd
+    for (int d = 0; d < hd; d++) acc[d] *= corr;
+    for (int j = 0; j < n; j++) {
+        const float *restrict vj = v[j];
+#pragma omp simd
+        for (int d = 0; d < hd; d++) acc[d] += p[j] * vj[d];
+    }
 }
 
 /* Online-softmax step of one query head over n keys: scores s (CHUNK values, the first n valid), value
@@ -211,20 +271,25 @@ static inline void generic_update(const float *s, int n, const float *const *v, 
     float mnew = cmax > *mx ? cmax : *mx, corr = expf(*mx - mnew);
     *mx = mnew;
     *sum *= corr;
-#pragma omp simd
-    for (int d = 0; d < hd; d++) acc[d] *= corr;
     softmax_weights(s, n, mnew, p);
-    for (int j = 0; j < n; j++) {
-        const float *restrict vj = v[j];
-        *sum += p[j];
-#pragma omp simd
-        for (int d = 0; d < hd; d++) acc[d] += p[j] * vj[d];
-    }
+    for (int j = 0; j < n; j++) *sum += p[j];
+    chunk_pv(p, n, v, hd, corr, acc);
 }
 
 /* Scratch floats one thread needs for items of up to `max_queries` query heads. */
 static int64_t generic_scratch(const Attn *a, int64_t max_queries) {
     return max_queries * (2 * (int64_t)a->head_dim + 2) + 2 * CHUNK * (int64_t)a->head_dim;
+}
+
+/* out[0..n) = bf16 x[0..n) as fp32 (exact): 8 at a time on AVX2. */
+static inline void widen_bf16(const uint16_t *x, float *out, int n) {
+    int d = 0;
+#if HAVE_AVX2
+    for (; d + 8 <= n; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + d))), 16)));
+#endif
+    for (; d < n; d++) out[d] = bf16_to_f32(x[d]);
 }
 
 /* Rows of the chunk's keys for KV head h as fp32: the cache rows themselves (fp32), or converted into
@@ -239,9 +304,67 @@ static inline void generic_rows(const Attn *a, const int64_t *table, int64_t c0,
             continue;
         }
         const uint16_t *ks = (const uint16_t *)a->k_cache + rows[j] * hd, *vs = (const uint16_t *)a->v_cache + rows[j] * hd;
-        for (int d = 0; d < hd; d++) kc[j * hd + d] = bf16_to_f32(ks[d]), vc[j * hd + d] = bf16_to_f32(vs[d]);
+        widen_bf16(ks, kc + j * hd, hd), widen_bf16(vs, vc + j * hd, hd);
         k[j] = kc + j * hd, v[j] = vc + j * hd;
     }
+}
+
+/* Software prefetch of a later chunk's K and V, a few lines at each step of the compute. Blocks sit
+ * anywhere in the pool, so the hardware prefetcher cannot run ahead; and a burst of prefetches would
+ * wait for free miss buffers and stall the core as demand loads do, so they are spread over the chunk's
+ * arithmetic instead. The rows (quads on the AVX-512 path) are merged into contiguous ranges (with 16-token
+ * blocks a decode row's chunk is two: its block's K and V for all heads). */
+enum { MAX_RANGES = 64 };  /* more (many KV heads on small blocks) are left to the hardware */
+typedef struct {
+    const char *start[MAX_RANGES], *end[MAX_RANGES];  /* line-aligned ranges, K then V */
+    int num_ranges, per_step;                         /* lines per call of prefetch_step */
+    int range;                                        /* cursor: the range and the line in it */
+    const char *at;
+} Prefetch;
+
+static inline void prefetch_step(Prefetch *p) {
+    for (int k = 0; k < p->per_step && p->range < p->num_ranges; k++) {
+        __builtin_prefetch(p->at, 0, PREFETCH_LOCALITY);
+        p->at += 64;
+        if (p->at >= p->end[p->range] && ++p->range < p->num_ranges) p->at = p->start[p->range];
+    }
+}
+
+/* Append [start, start + bytes), extending the last range when it continues it. */
+static inline void add_range(Prefetch *p, const char *start, int64_t bytes) {
+    const char *line = (const char *)((uintptr_t)start & ~(uintptr_t)63);
+    const int last = p->num_ranges - 1;
+    if (last >= 0 && line >= p->start[last] && line <= p->end[last]) {
+        if (start + bytes > p->end[last]) p->end[last] = start + bytes;
+        return;
+    }
+    if (p->num_ranges == MAX_RANGES) return;
+    p->start[p->num_ranges] = line, p->end[p->num_ranges++] = start + bytes;
+}
+
+static inline void prefetch_rest(Prefetch *p) {
+    p->per_step = 1 << 30;
+    prefetch_step(p);
+}
+
+/* Aim at the K and V rows of keys c0 .. c0 + CHUNK - 1 (those before `last`) of KV heads h0 .. h1-1 in the
+ * natural layout, spread over `steps` calls: a decode row's item (all heads) reads whole blocks, one range each
+ * for K and V. Once the plain path's arithmetic ran 8 lanes wide, the V rows' misses were a decode step's hot
+ * spots (perf, Zen 3); prefetched a chunk ahead, SmolLM2's decode attention at batch 16 ran 1.3x at context 64
+ * and 1.4x at 256. */
+static inline void chunk_prefetch_start(Prefetch *p, const Attn *a, const int64_t *table, int64_t c0, int64_t last,
+                                        int h0, int h1, int steps, int64_t elem_bytes) {
+    const int n = c0 < last ? imin(CHUNK, last - c0) : 0;
+    const int64_t row_bytes = a->head_dim * elem_bytes;
+    int64_t rows[CHUNK], lines = 0;
+    chunk_rows(a, table, c0, n, h0, rows);
+    p->num_ranges = 0;
+    for (int kv = 0; kv < 2; kv++)
+        for (int j = 0; j < n; j++)
+            add_range(p, (const char *)(kv ? a->v_cache : a->k_cache) + rows[j] * row_bytes, (h1 - h0) * row_bytes);
+    for (int r = 0; r < p->num_ranges; r++) lines += (p->end[r] - p->start[r] + 63) / 64;
+    p->per_step = (int)((lines + steps - 1) / (steps > 0 ? steps : 1));
+    p->range = 0, p->at = p->num_ranges > 0 ? p->start[0] : NULL;
 }
 
 /* One work item in plain C: tile t, KV heads h0 .. h1-1 with all heads of their groups; fp32 state,
@@ -266,13 +389,21 @@ static inline __attribute__((always_inline)) void generic_item(const Attn *a, co
     for (int64_t c0 = 0; c0 < last; c0 += CHUNK) {
         int n = imin(CHUNK, last - c0);
         int first_token = c0 >= t->context ? (int)(c0 - t->context + 1) : 0;  /* causal */
+        Prefetch pf;
+        if (c0 == 0) {  /* the first chunk: nothing to hide it behind */
+            chunk_prefetch_start(&pf, a, table, c0, last, h0, h1, 1, is_bf16 ? 2 : 4);
+            prefetch_rest(&pf);
+        }
+        chunk_prefetch_start(&pf, a, table, c0 + CHUNK, last, h0, h1, (h1 - h0) * (nt - first_token) * group,
+                             is_bf16 ? 2 : 4);
         for (int h = h0; h < h1; h++) {
             const float *k[CHUNK], *v[CHUNK];
             generic_rows(a, table, c0, n, h, hd, is_bf16, kc, vc, k, v);
             for (int i = first_token; i < nt; i++) {
                 int valid = imin(n, t->context + i - c0);
                 for (int m = ((h - h0) * nt + i) * group, g = 0; g < group; g++, m++) {
-                    for (int j = 0; j < valid; j++) s[j] = dot(qf + (int64_t)m * hd, k[j], hd);
+                    prefetch_step(&pf);
+                    chunk_scores(qf + (int64_t)m * hd, k, valid, hd, s);
                     generic_update(s, valid, v, hd, mx + m, sum + m, acc + (int64_t)m * hd);
                 }
             }
@@ -343,39 +474,6 @@ static inline Quads chunk_quads(const Attn *a, const int64_t *table, int64_t c0,
     return qs;
 }
 
-/* Software prefetch of a later chunk's K and V, a few lines at each step of the compute. Blocks sit
- * anywhere in the pool, so the hardware prefetcher cannot run ahead; and a burst of prefetches would
- * wait for free miss buffers and stall the core as demand loads do, so they are spread over the chunk's
- * arithmetic instead. The quads are merged into contiguous ranges (with 16-token blocks a decode row's
- * chunk is two: its block's K and V for all heads). */
-enum { MAX_RANGES = 64 };  /* more (many KV heads on small blocks) are left to the hardware */
-typedef struct {
-    const char *start[MAX_RANGES], *end[MAX_RANGES];  /* line-aligned ranges, K then V */
-    int num_ranges, per_step;                         /* lines per call of prefetch_step */
-    int range;                                        /* cursor: the range and the line in it */
-    const char *at;
-} Prefetch;
-
-static inline void prefetch_step(Prefetch *p) {
-    for (int k = 0; k < p->per_step && p->range < p->num_ranges; k++) {
-        _mm_prefetch(p->at, PREFETCH_HINT);
-        p->at += 64;
-        if (p->at >= p->end[p->range] && ++p->range < p->num_ranges) p->at = p->start[p->range];
-    }
-}
-
-/* Append [start, start + bytes), extending the last range when it continues it. */
-static inline void add_range(Prefetch *p, const char *start, int64_t bytes) {
-    const char *line = (const char *)((uintptr_t)start & ~(uintptr_t)63);
-    const int last = p->num_ranges - 1;
-    if (last >= 0 && line >= p->start[last] && line <= p->end[last]) {
-        if (start + bytes > p->end[last]) p->end[last] = start + bytes;
-        return;
-    }
-    if (p->num_ranges == MAX_RANGES) return;
-    p->start[p->num_ranges] = line, p->end[p->num_ranges++] = start + bytes;
-}
-
 /* Aim at the live quads of qs for KV heads h0 .. h1-1, spread over `steps` calls. */
 static inline void prefetch_start(Prefetch *p, const Attn *a, const Quads *qs, int h0, int h1, int steps,
                                   int elem_bytes) {
@@ -388,11 +486,6 @@ static inline void prefetch_start(Prefetch *p, const Attn *a, const Quads *qs, i
     for (int r = 0; r < p->num_ranges; r++) lines += (p->end[r] - p->start[r] + 63) / 64;
     p->per_step = (int)((lines + steps - 1) / (steps > 0 ? steps : 1));
     p->range = 0, p->at = p->num_ranges > 0 ? p->start[0] : NULL;
-}
-
-static inline void prefetch_rest(Prefetch *p) {
-    p->per_step = 1 << 30;
-    prefetch_step(p);
 }
 
 /* 2^x for x <= 0 (softmax weights): 2^n * p(f), n = round(x), |f| <= 1/2, degree-7 Taylor polynomial
@@ -706,6 +799,8 @@ static void run_item(const Attn *a, const Tile *t, int h0, int h1, int own_write
     if (own_write) write_own_key(a, t, h0, h1, 0, is_bf16);
     if (a->head_dim == 64 && is_bf16) generic_item(a, t, h0, h1, (float *)buf, 64, 1);
     else if (a->head_dim == 64) generic_item(a, t, h0, h1, (float *)buf, 64, 0);
+    else if (a->head_dim == 128 && is_bf16) generic_item(a, t, h0, h1, (float *)buf, 128, 1);
+    else if (a->head_dim == 128) generic_item(a, t, h0, h1, (float *)buf, 128, 0);
     else if (is_bf16) generic_item(a, t, h0, h1, (float *)buf, a->head_dim, 1);
     else generic_item(a, t, h0, h1, (float *)buf, a->head_dim, 0);
 }
