@@ -806,14 +806,15 @@ static void run_item(const Attn *a, const Tile *t, int h0, int h1, int own_write
 }
 
 /* Work items: a one-token tile (decode row) is one item over all KV heads, so it reads each block
- * front to back in one go, unless there are too few rows to keep the threads busy; a longer tile is
+ * front to back in one go, unless there are too few rows to keep the threads busy (one thread always
+ * takes whole rows: one stream's decode attention on Zen 3, split per head, ran 1.2-1.6x slower); a longer tile is
  * one item per KV head (its K/V are reused by many queries, and the finer items balance the threads).
  * The split changes no result: each KV head's queries are computed the same way in any item. Last
  * tiles first: within a sequence, later tiles see more context, so the longest items start first.
  * item[k] = (tile, h0, h1); returns the count. */
 static int64_t make_items(const Attn *a, const int64_t *tiles, int num_tiles, int64_t (*items)[3],
                           int64_t *max_queries) {
-    int64_t n = 0, whole_rows = num_tiles >= 2 * omp_get_max_threads();
+    int64_t n = 0, threads = omp_get_max_threads(), whole_rows = threads == 1 || num_tiles >= 2 * threads;
     *max_queries = 0;
     for (int i = num_tiles - 1; i >= 0; i--) {
         int64_t tokens = tiles[4 * i + 2], step = tokens == 1 && whole_rows ? a->num_kv_heads : 1;
