@@ -435,7 +435,8 @@ static void quantize_block(const void *x, int is_bf16, int64_t at, float id, Qua
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
     _mm256_storeu_si256((__m256i *)(r->q + at),
                         _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    for (int h = 0; h < 2; h++) r->s16[at / 16 + h] = (int16_t)sum_lanes_epi32(_mm256_add_epi32(c[2 * h], c[2 * h + 1]));
+    for (int h = 0; h < 2; h++)
+        r->s16[at / 16 + h] = (int16_t)sum_lanes_epi32(_mm256_add_epi32(c[2 * h], c[2 * h + 1]));
     r->s[at / QB] = (int16_t)(r->s16[at / 16] + r->s16[at / 16 + 1]);
 }
 #else
