@@ -342,6 +342,14 @@ static inline void add_range(Prefetch *p, const char *start, int64_t bytes) {
     p->start[p->num_ranges] = line, p->end[p->num_ranges++] = start + bytes;
 }
 
+/* The ranges' lines spread over `steps` calls of prefetch_step, from the first. */
+static inline void prefetch_spread(Prefetch *p, int steps) {
+    int64_t lines = 0;
+    for (int r = 0; r < p->num_ranges; r++) lines += (p->end[r] - p->start[r] + 63) / 64;
+    p->per_step = (int)((lines + steps - 1) / (steps > 0 ? steps : 1));
+    p->range = 0, p->at = p->num_ranges > 0 ? p->start[0] : NULL;
+}
+
 static inline void prefetch_rest(Prefetch *p) {
     p->per_step = 1 << 30;
     prefetch_step(p);
@@ -356,15 +364,13 @@ static inline void chunk_prefetch_start(Prefetch *p, const Attn *a, const int64_
                                         int h0, int h1, int steps, int64_t elem_bytes) {
     const int n = c0 < last ? imin(CHUNK, last - c0) : 0;
     const int64_t row_bytes = a->head_dim * elem_bytes;
-    int64_t rows[CHUNK], lines = 0;
+    int64_t rows[CHUNK];
     chunk_rows(a, table, c0, n, h0, rows);
     p->num_ranges = 0;
     for (int kv = 0; kv < 2; kv++)
         for (int j = 0; j < n; j++)
             add_range(p, (const char *)(kv ? a->v_cache : a->k_cache) + rows[j] * row_bytes, (h1 - h0) * row_bytes);
-    for (int r = 0; r < p->num_ranges; r++) lines += (p->end[r] - p->start[r] + 63) / 64;
-    p->per_step = (int)((lines + steps - 1) / (steps > 0 ? steps : 1));
-    p->range = 0, p->at = p->num_ranges > 0 ? p->start[0] : NULL;
+    prefetch_spread(p, steps);
 }
 
 /* One work item in plain C: tile t, KV heads h0 .. h1-1 with all heads of their groups; fp32 state,
@@ -478,14 +484,11 @@ static inline Quads chunk_quads(const Attn *a, const int64_t *table, int64_t c0,
 static inline void prefetch_start(Prefetch *p, const Attn *a, const Quads *qs, int h0, int h1, int steps,
                                   int elem_bytes) {
     const int64_t quad_bytes = 4 * (int64_t)a->head_dim * elem_bytes;
-    int64_t lines = 0;
     p->num_ranges = 0;
     for (int kv = 0; kv < 2; kv++)
         for (int h = h0; h < h1; h++)
             for (int i = 0; i < qs->live; i++) add_range(p, (kv ? qs->v[i] : qs->k[i]) + h * qs->head_bytes, quad_bytes);
-    for (int r = 0; r < p->num_ranges; r++) lines += (p->end[r] - p->start[r] + 63) / 64;
-    p->per_step = (int)((lines + steps - 1) / (steps > 0 ? steps : 1));
-    p->range = 0, p->at = p->num_ranges > 0 ? p->start[0] : NULL;
+    prefetch_spread(p, steps);
 }
 
 /* 2^x for x <= 0 (softmax weights): 2^n * p(f), n = round(x), |f| <= 1/2, degree-7 Taylor polynomial
