@@ -808,6 +808,14 @@ static void tile_rows(int qtype, const QuantRows *x, int64_t m0, int64_t rows, c
 
 INLINE __m256i load256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* Bit g of each byte of v moved to bit `to` (the others 0): one 16-bit shift and a mask, where a shift down to bit
+ * 0 and back took two (no bit crosses a byte: each lands where its own byte's bit was). Zen 3, 16 rows of 1536 x
+ * 1536: Q5_0 / Q5_1 1.05x, Q5_K 1.06-1.07x. */
+INLINE __m256i bit_to(__m256i v, int g, int to) {
+    const __m256i moved = g < to ? _mm256_slli_epi16(v, to - g) : _mm256_srli_epi16(v, g - to);
+    return _mm256_and_si256(moved, _mm256_set1_epi8((char)(1 << to)));
+}
+
 /* Half h of codes vector g (K 32 j + 4 g ..) of 32-block j in the panel block at blk. */
 INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
     const __m256i low = _mm256_set1_epi8(0x0f);
@@ -825,6 +833,7 @@ INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
         const uint8_t *v = blk + LOW2_AT(qtype, j) + 32 * h;
         const __m256i lo =
             _mm256_and_si256(_mm256_srli_epi16(load256(v + 64 * (g / 4)), 2 * (g % 4)), _mm256_set1_epi8(3));
+        /* the third bit down to bit 0, then up (bit_to here ran Q3_K 0.81x at 16 rows on Zen 3) */
         const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(v + 128), g), _mm256_set1_epi8(1));
         const __m256i c = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 2));
         if (qtype == QUANT_Q3_K) return c;
@@ -848,18 +857,12 @@ INLINE __m256i half_codes(int qtype, const uint8_t *blk, int j, int g, int h) {
         const __m256i v = load256(blk + K_CODES(qtype, j) + 64 * g + 32 * h);
         const __m256i lo = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
         if (qtype == QUANT_Q4_K) return lo;
-        /* Q5_K: bit g of each hb byte to bit 4, as Q5_0's */
-        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(blk + K5_HB(j) + 32 * h), g),
-                                            _mm256_set1_epi8(1));
-        return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+        return _mm256_or_si256(lo, bit_to(load256(blk + K5_HB(j) + 32 * h), g, 4));  /* Q5_K: as Q5_0's */
     }
     const __m256i v = load256(blk + NIBBLES_AT(qtype) + 64 * (g % 4) + 32 * h);
     const __m256i lo = _mm256_and_si256(g < 4 ? v : _mm256_srli_epi16(v, 4), low);
     if (!IS_FIFTH_32(qtype)) return lo;
-    /* Q5_0, Q5_1: bit g of each hb byte to bit 4 (a 16-bit shift, then the byte's own bit kept) */
-    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(blk + FIFTH_AT(qtype) + 32 * h), g),
-                                        _mm256_set1_epi8(1));
-    return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+    return _mm256_or_si256(lo, bit_to(load256(blk + FIFTH_AT(qtype) + 32 * h), g, 4));  /* Q5_0, Q5_1: the fifth */
 }
 
 /* Q4_K, Q5_K: half h of sub-block j's 6-bit scale and min, one per lane (GGUF's get_scale_min_k4). */
