@@ -960,7 +960,8 @@ INLINE __m256i int16_pair(__m256i lo, __m256i hi) {
 
 /* v c for a literal c: a shift where c is a power of two (Q3_K's o 4, Q6_K's 32). */
 INLINE __m256i times_const(__m256i v, int32_t c) {
-    return (c & (c - 1)) == 0 ? _mm256_slli_epi32(v, __builtin_ctz((unsigned)c)) : _mm256_mullo_epi32(v, _mm256_set1_epi32(c));
+    if ((c & (c - 1)) == 0) return _mm256_slli_epi32(v, __builtin_ctz((unsigned)c));
+    return _mm256_mullo_epi32(v, _mm256_set1_epi32(c));
 }
 
 /* x's code sums of row m's 32-block j as an int16 pair: its two 16-blocks' (halves == 2), else the
